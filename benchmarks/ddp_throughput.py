@@ -1,0 +1,179 @@
+"""2-process CPU DDP throughput: lightning_mgpu's strategies against stock Lightning, measured in one run.
+
+The model is the one in shared/FACTS.md: an MLP 1024-1024-1024-10 (2.1M parameters), batch 32 per process, SGD,
+one thread per process, 120 steps, samples per second counted after step 5. Configurations run in alternating
+rounds (so drift on a shared machine hits all of them alike) and the script prints, per round and as medians,
+each one's throughput and its ratio to stock ``strategy="ddp"``.
+
+    python benchmarks/ddp_throughput.py                 # 3 rounds of every configuration
+    python benchmarks/ddp_throughput.py --rounds 5 --configs stock_ddp mgpu
+
+Each measurement is a fresh ``python benchmarks/ddp_throughput.py --worker NAME``: Lightning re-runs that command
+line for rank 1, exactly as it does for a user's script.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CONFIGS = {
+    # name: strategy argument given to Trainer
+    "stock_ddp": "ddp",
+    "mgpu": "mgpu",
+    "mgpu_fp16": "mgpu_ddp_fp16",
+    "mgpu_bf16": "mgpu_ddp_bf16",
+    "mgpu_powersgd": "mgpu_ddp_powersgd",
+}
+BASELINE = "stock_ddp"
+RESULT_PREFIX = "BENCHMARK_RESULT "
+
+
+def worker(name: str, steps: int, warmup: int, batch_size: int) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import lightning.pytorch as pl
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import lightning_mgpu
+
+    torch.set_num_threads(1)
+
+    class MLP(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(
+                nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
+            )
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    class Clock(pl.Callback):
+        def __init__(self) -> None:
+            self.start = self.stop = 0.0
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx + 1 == warmup:
+                self.start = time.perf_counter()
+            elif batch_idx + 1 == steps:
+                self.stop = time.perf_counter()
+
+    g = torch.Generator().manual_seed(0)
+    samples = steps * batch_size * 2
+    data = TensorDataset(torch.randn(samples, 1024, generator=g), torch.randint(0, 10, (samples,), generator=g))
+    clock = Clock()
+    strategy = CONFIGS[name]
+    if name == "mgpu_powersgd":
+        strategy = lightning_mgpu.MultiGPUStrategy(mode="ddp", comm_hook="powersgd", powersgd_warmup_steps=warmup)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[clock],
+    )
+    trainer.fit(MLP(), DataLoader(data, batch_size=batch_size))
+    if trainer.is_global_zero:
+        measured = steps - warmup
+        result = {
+            "config": name,
+            "samples_per_s": measured * batch_size * trainer.world_size / (clock.stop - clock.start),
+            "steps_per_s": measured / (clock.stop - clock.start),
+        }
+        print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def measure(name: str, args: argparse.Namespace) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    command = [
+        sys.executable,
+        __file__,
+        "--worker",
+        name,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--batch-size",
+        str(args.batch_size),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    for line in done.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX) :])
+    raise RuntimeError(f"{name} produced no result:\n{done.stderr[-3000:]}")
+
+
+def describe_machine() -> str:
+    import lightning
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return (
+        f"{cpu}, {os.cpu_count()} cores; Python {platform.python_version()}, torch {torch.__version__}, "
+        f"lightning {lightning.__version__}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
+    parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=32)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.steps, args.warmup, args.batch_size)
+        return
+
+    configs = [BASELINE] + [c for c in args.configs if c != BASELINE]
+    print(f"machine: {describe_machine()}")
+    print(
+        f"model: MLP 1024-1024-1024-10, batch {args.batch_size}/process, 2 processes, {args.steps} steps, "
+        f"timed after step {args.warmup}, {args.rounds} alternating rounds"
+    )
+    samples: dict[str, list[float]] = {c: [] for c in configs}
+    ratios: dict[str, list[float]] = {c: [] for c in configs}
+    for round_index in range(args.rounds):
+        order = configs if round_index % 2 == 0 else list(reversed(configs))
+        results = {name: measure(name, args)["samples_per_s"] for name in order}
+        for name in configs:
+            samples[name].append(results[name])
+            ratios[name].append(results[name] / results[BASELINE])
+        print(
+            f"round {round_index + 1}: "
+            + ", ".join(f"{name} {results[name]:,.0f}/s ({results[name] / results[BASELINE]:.2f}x)" for name in configs)
+        )
+    print("\nmedian over rounds (samples/s, ratio to stock ddp measured in the same round):")
+    for name in configs:
+        print(
+            f"  {name:<14} {statistics.median(samples[name]):>8,.0f}  "
+            f"{statistics.median(ratios[name]):.2f}x  (range {min(ratios[name]):.2f}-{max(ratios[name]):.2f})"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""``MultiGPUStrategy``: picks single device, DataParallel or DDP from the hardware and the launch context."""
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from lightning_mgpu.strategies.choice import (
+    MODES,
+    LaunchContext,
+    ModeOrAuto,
+    StrategyChoice,
+    choose_strategy,
+    cuda_is_initialized,
+    force_mode,
+    is_interactive,
+)
+from lightning_mgpu.strategies.data_parallel import DataParallelStrategy
+from lightning_mgpu.strategies.ddp import DDPStrategy, SyncBatchNormSetting
+from lightning_mgpu.strategies.single_device import SingleDeviceStrategy
+from lightning_mgpu.utilities.comm_hooks import CommHookName
+
+_START_METHODS = {"ddp": "popen", "ddp_spawn": "spawn", "ddp_fork": "fork"}
+
+
+class MultiGPUStrategy(DDPStrategy):
+    """Use every device the Trainer was given, choosing how from the hardware and the launch context.
+
+    The choice is made when the Trainer is built, without initialising CUDA, and logged once on rank 0:
+
+    ============================================================  =====================================
+    situation                                                     mode
+    ============================================================  =====================================
+    ``num_nodes > 1``                                             ``ddp``
+    processes launched by torchrun, SLURM, LSF, MPI, Lightning    ``ddp`` (joins them)
+    one device                                                    ``single``
+    several devices, run as a script                              ``ddp`` (Lightning re-runs the script)
+    several CPU devices, interactive                              ``ddp_fork`` (``ddp_spawn`` without fork)
+    several GPUs, interactive, CUDA not initialised               ``ddp_fork``
+    several GPUs, interactive, CUDA initialised or no fork        ``dp`` (DataParallel)
+    ============================================================  =====================================
+
+    In a DDP mode the strategy stays a :class:`DDPStrategy` (this class); for ``single`` and ``dp`` it turns itself
+    into a :class:`SingleDeviceStrategy` or :class:`DataParallelStrategy` in place, so ``trainer.strategy`` is
+    always the strategy that runs. ``trainer.strategy.choice`` holds the :class:`StrategyChoice` (mode and reason).
+    The DDP options only apply when a DDP mode is chosen.
+
+    Args:
+        mode: ``"auto"`` (the table above) or a forced ``"single"``, ``"dp"``, ``"ddp"``, ``"ddp_spawn"``,
+            ``"ddp_fork"``.
+        sync_batchnorm: ``"auto"`` (default) synchronises BatchNorm when the model has some and more than one
+            process trains; ``True`` or ``False`` force it.
+        bucket_cap_mb: DDP gradient bucket size in MB; ``None`` keeps torch's default.
+        gradient_as_bucket_view: let gradients be views into the DDP buckets.
+        static_graph: promise DDP the set of used parameters never changes.
+        find_unused_parameters: let DDP detect parameters without gradients.
+        comm_hook: ``None``, ``"fp16"``, ``"bf16"`` or ``"powersgd"``; works over gloo and NCCL.
+        powersgd_rank: rank of the PowerSGD approximation.
+        powersgd_warmup_steps: exact all-reduce steps before PowerSGD compresses.
+        timeout: process group timeout.
+        process_group_backend: ``None`` picks gloo for CPU and NCCL for CUDA.
+        accelerator: set by the Trainer.
+        parallel_devices: set by the Trainer.
+        cluster_environment: set by the Trainer.
+        checkpoint_io: set by the Trainer.
+        precision_plugin: set by the Trainer.
+        **kwargs: any further keyword argument of ``torch.nn.parallel.DistributedDataParallel``.
+
+    Raises:
+        ValueError: an unknown ``mode`` or a bad DDP option (at construction); ``mode="dp"`` without CUDA or
+            ``mode="single"`` with several devices (when the Trainer is built).
+
+    Example::
+
+        trainer = Trainer(strategy="mgpu", devices=2)
+        trainer = Trainer(strategy=MultiGPUStrategy(mode="ddp", comm_hook="bf16"), devices=2)
+        trainer.strategy.choice  # StrategyChoice(mode='ddp', reason='2 cuda devices from a script: ...')
+    """
+
+    strategy_name = "mgpu"
+
+    def __init__(
+        self,
+        mode: ModeOrAuto = "auto",
+        sync_batchnorm: SyncBatchNormSetting = "auto",
+        bucket_cap_mb: float | None = None,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        find_unused_parameters: bool = False,
+        comm_hook: CommHookName | None = None,
+        powersgd_rank: int = 1,
+        powersgd_warmup_steps: int = 100,
+        timeout: timedelta | None = default_pg_timeout,
+        process_group_backend: str | None = None,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"{type(self).__name__}: mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            sync_batchnorm=sync_batchnorm,
+            bucket_cap_mb=bucket_cap_mb,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
+            find_unused_parameters=find_unused_parameters,
+            comm_hook=comm_hook,
+            powersgd_rank=powersgd_rank,
+            powersgd_warmup_steps=powersgd_warmup_steps,
+            timeout=timeout,
+            process_group_backend=process_group_backend,
+            **kwargs,
+        )
+        self.mode = mode
+
+    @override
+    def _configure_launcher(self) -> None:
+        # the Trainer's connector calls this last, once accelerator, devices, cluster environment and num_nodes
+        # are set: the first moment everything the choice depends on is known
+        if self.choice is None:
+            context = self.launch_context()
+            self.choice = choose_strategy(context) if self.mode == "auto" else force_mode(self.mode, context)
+            rank_zero_info(f"{type(self).__name__} chose {self.choice.mode!r}: {self.choice.reason}.")
+        if self.choice.mode not in _START_METHODS:
+            self._become_other_strategy(self.choice)
+            return
+        self._start_method = _START_METHODS[self.choice.mode]
+        super()._configure_launcher()
+
+    def launch_context(self) -> LaunchContext:
+        """Describe the hardware and launch context this strategy was configured with."""
+        env = self.cluster_environment
+        external = env is not None and env.creates_processes_externally
+        return LaunchContext(
+            accelerator=_accelerator_name(self.accelerator),
+            num_devices=len(self.parallel_devices or []),
+            num_nodes=self.num_nodes,
+            external_launcher=type(env).__name__ if external else None,
+            external_world_size=env.world_size() if external else 1,
+            interactive=is_interactive(),
+            cuda_initialized=cuda_is_initialized(),
+            fork_available="fork" in mp.get_all_start_methods(),
+        )
+
+    def _become_other_strategy(self, choice: StrategyChoice) -> None:
+        # The Trainer holds on to this object, so it turns into the chosen strategy in place. Only what the
+        # connector has set so far carries over; everything else starts fresh from that class's __init__.
+        plugins = {
+            "accelerator": self.accelerator,
+            "checkpoint_io": self._checkpoint_io,
+            "precision_plugin": self._precision_plugin,
+        }
+        devices = list(self.parallel_devices or [torch.device("cpu")])
+        self.__dict__.clear()
+        if choice.mode == "dp":
+            self.__class__ = DataParallelStrategy  # type: ignore[assignment]
+            DataParallelStrategy.__init__(self, parallel_devices=devices, **plugins)  # type: ignore[arg-type]
+        else:
+            self.__class__ = SingleDeviceStrategy  # type: ignore[assignment]
+            SingleDeviceStrategy.__init__(self, device=devices[0], **plugins)
+        self.choice = choice
+
+
+def _accelerator_name(accelerator: Accelerator | None) -> str:
+    if isinstance(accelerator, CUDAAccelerator):
+        return "cuda"
+    if isinstance(accelerator, CPUAccelerator):
+        return "cpu"
+    return type(accelerator).__name__.replace("Accelerator", "").lower() or "unknown"

@@ -1,0 +1,1 @@
+"""Pure torch helpers that the strategies and callbacks wrap."""

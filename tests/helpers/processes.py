@@ -1,0 +1,78 @@
+"""Run a function in several real processes joined in one gloo process group."""
+
+import io
+import os
+import queue as queue_module
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def find_free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+        )
+        result = fn(rank, world_size, *args)
+        # tensors sent through a torch queue are file descriptors that die with this process: send bytes
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        queue.put((rank, "ok", buffer.getvalue()))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_processes(fn: Callable, world_size: int = 2, args: tuple = (), timeout: float = 120.0) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; return the results by rank.
+
+    ``fn`` must be defined at module level (spawn pickles it by name). A process that raises makes this raise
+    with its traceback; processes still running after ``timeout`` seconds are killed and this raises, so a
+    hung collective fails the test instead of stalling the suite.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = find_free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    for proc in procs:
+        proc.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world_size):
+            try:
+                rank, status, payload = queue.get(timeout=timeout)
+            except queue_module.Empty as err:
+                raise TimeoutError(f"processes did not finish within {timeout}s (got ranks {sorted(results)})") from err
+            if status == "ok":
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:
+                errors.append(f"rank {rank}:\n{payload}")
+                break
+    finally:
+        for proc in procs:
+            proc.join(timeout=5 if not errors else 1)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [results[r] for r in range(world_size)]

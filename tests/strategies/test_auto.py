@@ -1,0 +1,198 @@
+"""MultiGPUStrategy as the Trainer builds it: names, choices, bad input. No process is launched here."""
+
+import logging
+import sys
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+
+import lightning_mgpu
+from lightning_mgpu import DataParallelStrategy, DDPStrategy, MultiGPUStrategy, SingleDeviceStrategy
+from lightning_mgpu.strategies import REGISTERED_STRATEGIES
+
+TRAINER_DEFAULTS = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
+
+
+def make_trainer(**kwargs):
+    return Trainer(**TRAINER_DEFAULTS, **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def _clean_launch_env(monkeypatch):
+    for var in (
+        "LOCAL_RANK",
+        "RANK",
+        "WORLD_SIZE",
+        "GROUP_RANK",
+        "TORCHELASTIC_RUN_ID",
+        "SLURM_NTASKS",
+        "SLURM_JOB_NAME",
+        "SLURM_PROCID",
+        "SLURM_LOCALID",
+        "SLURM_NODEID",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delattr(sys, "ps1", raising=False)
+
+
+@pytest.mark.parametrize("name", sorted(REGISTERED_STRATEGIES))
+def test_every_registered_name_builds_a_trainer(name):
+    if name == "mgpu_dp":
+        with pytest.raises(ValueError, match="mode='dp'"):
+            make_trainer(strategy=name, accelerator="cpu", devices=2)
+        return
+    trainer = make_trainer(strategy=name, accelerator="cpu", devices=2)
+    assert isinstance(trainer.strategy, MultiGPUStrategy)
+    expected_mode = REGISTERED_STRATEGIES[name][0]["mode"]
+    assert trainer.strategy.choice.mode == (expected_mode if expected_mode != "auto" else "ddp")
+    if "comm_hook" in REGISTERED_STRATEGIES[name][0]:
+        assert trainer.strategy.comm_hook == REGISTERED_STRATEGIES[name][0]["comm_hook"]
+
+
+def test_names_are_registered_on_import():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    lightning_mgpu.register_strategies()  # idempotent
+    for name in ("mgpu", "mgpu_ddp", "mgpu_ddp_spawn", "mgpu_ddp_fork", "mgpu_dp"):
+        assert name in StrategyRegistry
+
+
+def test_one_device_becomes_single_device_strategy(caplog):
+    with caplog.at_level(logging.INFO):
+        trainer = make_trainer(strategy="mgpu", accelerator="cpu", devices=1)
+    strategy = trainer.strategy
+    assert type(strategy) is SingleDeviceStrategy
+    assert strategy.choice.mode == "single"
+    assert strategy.root_device == torch.device("cpu")
+    assert "chose 'single'" in caplog.text
+
+
+def test_several_cpu_devices_from_a_script_use_ddp_with_subprocess_launch():
+    trainer = make_trainer(strategy="mgpu", accelerator="cpu", devices=2)
+    assert isinstance(trainer.strategy, DDPStrategy)
+    assert trainer.strategy.choice.mode == "ddp"
+    assert isinstance(trainer.strategy.launcher, _SubprocessScriptLauncher)
+    assert trainer.strategy.num_processes == 2
+
+
+def test_interactive_session_on_cpu_forks(monkeypatch):
+    monkeypatch.setattr(sys, "ps1", ">>> ", raising=False)
+    trainer = make_trainer(strategy="mgpu", accelerator="cpu", devices=2)
+    assert trainer.strategy.choice.mode == "ddp_fork"
+    assert isinstance(trainer.strategy.launcher, _MultiProcessingLauncher)
+    assert trainer.strategy.launcher._start_method == "fork"
+
+
+def test_torchrun_environment_means_ddp_without_launcher(monkeypatch):
+    for key, value in {
+        "LOCAL_RANK": "0",
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "GROUP_RANK": "0",
+        "TORCHELASTIC_RUN_ID": "x",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29999",
+    }.items():
+        monkeypatch.setenv(key, value)
+    trainer = make_trainer(strategy="mgpu", accelerator="cpu", devices=1)
+    assert trainer.strategy.choice.mode == "ddp"
+    assert "TorchElasticEnvironment" in trainer.strategy.choice.reason
+    assert trainer.strategy.launcher.is_interactive_compatible is False
+    assert not trainer.strategy.launcher.__class__.__name__.startswith("_MultiProcessing")
+
+
+def test_slurm_environment_means_ddp(monkeypatch):
+    for key, value in {
+        "SLURM_NTASKS": "2",
+        "SLURM_NTASKS_PER_NODE": "1",
+        "SLURM_JOB_NAME": "train",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_NODELIST": "node1",
+        "SLURM_JOB_ID": "1",
+    }.items():
+        monkeypatch.setenv(key, value)
+    trainer = make_trainer(strategy="mgpu", accelerator="cpu", devices=1, num_nodes=2)
+    assert trainer.strategy.choice.mode == "ddp"
+
+
+def test_num_nodes_means_ddp():
+    trainer = make_trainer(strategy="mgpu", accelerator="cpu", devices=1, num_nodes=2)
+    assert trainer.strategy.choice.mode == "ddp"
+    assert "num_nodes=2" in trainer.strategy.choice.reason
+
+
+@pytest.mark.parametrize(("mode", "start"), [("ddp", None), ("ddp_spawn", "spawn"), ("ddp_fork", "fork")])
+def test_forced_ddp_modes_pick_their_launcher(mode, start):
+    trainer = make_trainer(strategy=MultiGPUStrategy(mode=mode), accelerator="cpu", devices=2)
+    assert trainer.strategy.choice.mode == mode
+    assert trainer.strategy.choice.reason == f"mode={mode!r} was set explicitly"
+    launcher = trainer.strategy.launcher
+    if start is None:
+        assert isinstance(launcher, _SubprocessScriptLauncher)
+    else:
+        assert launcher._start_method == start
+
+
+def test_strategy_object_and_cuda_untouched():
+    strategy = MultiGPUStrategy(bucket_cap_mb=5, comm_hook="bf16", static_graph=True)
+    trainer = make_trainer(strategy=strategy, accelerator="cpu", devices=2)
+    assert trainer.strategy is strategy
+    assert strategy._ddp_kwargs["bucket_cap_mb"] == 5
+    assert strategy._ddp_kwargs["static_graph"] is True
+    assert not torch.cuda.is_initialized()
+
+
+def test_forced_dp_on_cpu_fails_at_trainer_construction():
+    strategy = MultiGPUStrategy(mode="dp")  # building the strategy alone is fine
+    with pytest.raises(ValueError, match=r"mode='dp'\) needs CUDA GPUs.*'cpu'"):
+        make_trainer(strategy=strategy, accelerator="cpu", devices=2)
+
+
+def test_forced_single_with_two_devices_fails_at_trainer_construction():
+    with pytest.raises(ValueError, match=r"mode='single'.*2 device"):
+        make_trainer(strategy=MultiGPUStrategy(mode="single"), accelerator="cpu", devices=2)
+
+
+def test_dataparallel_strategy_refuses_cpu_devices_at_fit():
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    trainer = make_trainer(strategy=DataParallelStrategy(), accelerator="cpu", devices=1, max_steps=1)
+    with pytest.raises(MisconfigurationException, match="CUDA"):
+        trainer.fit(BoringModel())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        ({"mode": "fastest"}, ValueError, r"mode must be one of 'auto', 'single'.*got 'fastest'"),
+        ({"bucket_cap_mb": 0}, ValueError, r"bucket_cap_mb must be a positive number of MB, got 0"),
+        ({"bucket_cap_mb": -5}, ValueError, r"bucket_cap_mb must be a positive number of MB, got -5"),
+        ({"bucket_cap_mb": float("nan")}, ValueError, r"bucket_cap_mb"),
+        ({"bucket_cap_mb": "25"}, TypeError, r"bucket_cap_mb must be a positive number of MB or None, got '25'"),
+        ({"comm_hook": "zstd"}, ValueError, r"comm_hook must be None or one of 'fp16', 'bf16', 'powersgd', got 'zstd'"),
+        ({"sync_batchnorm": "yes"}, ValueError, r"sync_batchnorm must be True, False or 'auto', got 'yes'"),
+        ({"static_graph": "true"}, TypeError, r"static_graph must be True or False, got 'true'"),
+        ({"gradient_as_bucket_view": 1}, TypeError, r"gradient_as_bucket_view must be True or False"),
+        ({"find_unused_parameters": None}, TypeError, r"find_unused_parameters must be True or False"),
+        ({"powersgd_rank": 0}, ValueError, r"powersgd_rank must be an int >= 1, got 0"),
+        ({"powersgd_rank": 2.0}, TypeError, r"powersgd_rank must be an int >= 1, got 2.0"),
+        ({"powersgd_warmup_steps": -1}, ValueError, r"powersgd_warmup_steps must be an int >= 0, got -1"),
+    ],
+)
+def test_bad_input_is_named_at_construction(kwargs, error, pattern):
+    with pytest.raises(error, match=f"MultiGPUStrategy: {pattern}"):
+        MultiGPUStrategy(**kwargs)
+
+
+def test_ddp_strategy_names_itself_in_errors():
+    with pytest.raises(ValueError, match=r"^DDPStrategy: start_method must be"):
+        DDPStrategy(start_method="thread")
+    with pytest.raises(ValueError, match=r"^DDPStrategy: sync_batchnorm"):
+        DDPStrategy(sync_batchnorm="on")
