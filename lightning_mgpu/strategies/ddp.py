@@ -12,11 +12,13 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_mgpu.strategies.choice import StrategyChoice
+from lightning_mgpu.strategies.preemption import SigtermAgreement
 from lightning_mgpu.strategies.sync_batchnorm import DeviceAgnosticSyncBatchNorm
 from lightning_mgpu.utilities.comm_hooks import COMM_HOOK_NAMES, CommHookName, register_comm_hook
 from lightning_mgpu.utilities.distributed_batchnorm import has_batchnorm
@@ -131,11 +133,23 @@ class DDPStrategy(LightningDDPStrategy):
         self.powersgd_rank = powersgd_rank
         self.powersgd_warmup_steps = powersgd_warmup_steps
         self.choice: StrategyChoice | None = None
+        self._sigterm_agreement: SigtermAgreement | None = None
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         self._layer_sync = self._choose_layer_sync()
         super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._sigterm_agreement = SigtermAgreement.for_trainer(trainer)
+            if self._sigterm_agreement is not None:
+                self._sigterm_agreement.install(trainer)
+
+    @override
+    def teardown(self) -> None:
+        if self._sigterm_agreement is not None:
+            self._sigterm_agreement.uninstall()
+            self._sigterm_agreement = None
+        super().teardown()
 
     def _choose_layer_sync(self) -> LayerSync | None:
         trainer_plugin = self._layer_sync  # the Trainer's: TorchSyncBatchNorm for Trainer(sync_batchnorm=True)

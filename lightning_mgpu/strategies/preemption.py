@@ -1,0 +1,130 @@
+"""Stop every rank at the same batch after a SIGTERM on any rank, without a collective per training step.
+
+Stock Lightning (2.5+) runs a blocking ``torch.distributed.broadcast`` of a one-element tensor and an ``.item()``
+before every training batch so that rank 0's SIGTERM reaches the other ranks; a SIGTERM on another rank issues an
+unmatched broadcast from inside the signal handler. :class:`SigtermAgreement` replaces both, on one trainer
+instance: the signal handler only records the signal, and at each batch boundary a signalled rank publishes a stop
+batch in the process group's key-value store (first writer wins). Every rank checks the store, a host-side TCP
+round trip with no collective and no device synchronisation, and stops exactly at the published batch.
+"""
+
+import contextlib
+import logging
+from types import FrameType
+
+import lightning
+import lightning.pytorch as pl
+import torch.distributed as dist
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
+
+log = logging.getLogger(__name__)
+
+# Lightning releases whose training loop and signal connector internals this replaces, as tested
+TESTED_LIGHTNING_MINOR = ("2.6",)
+_KEY = "stop_batch"
+
+
+class SigtermAgreement:
+    """Replace Lightning's per-batch SIGTERM broadcast on one trainer with a store-based agreement.
+
+    A rank that receives SIGTERM publishes ``stop batch = current batch + accumulate_grad_batches + 1``. DDP keeps
+    ranks within one gradient-sync window of each other, so every rank reads the key before it reaches that batch;
+    all ranks then raise Lightning's ``SIGTERMException`` at the same batch boundary, after one barrier.
+
+    Args:
+        store: a ``torch.distributed`` store shared by all ranks (a fresh prefix per fit).
+        margin: batches between the publishing boundary and the stop; at least ``accumulate_grad_batches + 1``.
+
+    Example::
+
+        agreement = SigtermAgreement.for_trainer(trainer)  # None where unsupported: stock behaviour stays
+        if agreement is not None:
+            agreement.install(trainer)
+    """
+
+    _fits = 0  # per-process count of installed agreements: identical on all ranks, so it names a fresh prefix
+
+    def __init__(self, store: dist.Store, margin: int) -> None:
+        self.store = store
+        self.margin = margin
+        self.batch = 0
+        self.signalled = False
+        self.published = False
+        self.stop_batch: int | None = None
+        self._trainer: pl.Trainer | None = None
+
+    @classmethod
+    def for_trainer(cls, trainer: "pl.Trainer") -> "SigtermAgreement | None":
+        """Build an agreement for ``trainer``'s fit, or ``None`` (with one debug line) where it cannot apply."""
+        reason = _unsupported_reason(trainer)
+        if reason is not None:
+            log.debug(f"lightning_mgpu: keeping Lightning's per-step SIGTERM broadcast: {reason}")
+            return None
+        cls._fits += 1
+        store = dist.PrefixStore(f"lightning_mgpu/sigterm/{cls._fits}/", dist.distributed_c10d._get_default_store())
+        return cls(store, margin=trainer.accumulate_grad_batches + 1)
+
+    def install(self, trainer: "pl.Trainer") -> None:
+        """Take over the per-batch check and the SIGTERM notifier of this trainer instance only."""
+        self._trainer = trainer
+        # instance attributes shadow the class's methods for this trainer only; the signal connector builds its
+        # handler from `_sigterm_notifier_fn` when the fit registers handlers, after strategy.setup
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self.at_batch_boundary
+        trainer._signal_connector._sigterm_notifier_fn = self.on_sigterm
+
+    def uninstall(self) -> None:
+        """Give the trainer its stock behaviour back."""
+        trainer = self._trainer
+        if trainer is not None:
+            trainer.fit_loop.epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+            trainer._signal_connector.__dict__.pop("_sigterm_notifier_fn", None)
+        self._trainer = None
+
+    def on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        """Signal handler: record the signal and pass it on to launched processes; no collective here."""
+        trainer = self._trainer
+        if trainer is not None:
+            log.info(rank_prefixed_message(f"Received SIGTERM: {signum}", trainer.local_rank))
+            launcher = trainer.strategy.launcher
+            if not self.signalled and launcher is not None:
+                launcher.kill(signum)  # as stock: the processes this one launched get the signal too
+        self.signalled = True
+
+    def at_batch_boundary(self) -> None:
+        """Called by the training loop before every batch; raises ``SIGTERMException`` at the agreed batch."""
+        self.batch += 1
+        if self.signalled and not self.published:
+            # compare_set with expected "" inserts only if the key is absent: the first signalled rank wins
+            agreed = self.store.compare_set(_KEY, "", str(self.batch + self.margin))
+            self.stop_batch = int(agreed)
+            self.published = True
+        if self.stop_batch is None and self.store.check([_KEY]):
+            self.stop_batch = int(self.store.get(_KEY))
+        if self.stop_batch is not None and self.batch >= self.stop_batch:
+            self._stop()
+
+    def _stop(self) -> None:
+        trainer = self._trainer
+        if trainer is not None:
+            trainer._signal_connector.received_sigterm = True
+            log.info(rank_prefixed_message(f"Stopping at batch {self.batch} after a SIGTERM", trainer.local_rank))
+        with contextlib.suppress(Exception):
+            dist.barrier()  # every rank is at this same boundary: leave together
+        raise SIGTERMException()
+
+
+def _unsupported_reason(trainer: "pl.Trainer") -> str | None:
+    minor = ".".join(lightning.__version__.split(".")[:2])
+    if minor not in TESTED_LIGHTNING_MINOR:
+        return f"Lightning {lightning.__version__} is not among the tested {TESTED_LIGHTNING_MINOR}"
+    if not (dist.is_available() and dist.is_initialized()) or trainer.world_size <= 1:
+        return "no process group of more than one process"
+    epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    if not hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
+        return "this Lightning's training loop has no per-step SIGTERM broadcast"
+    if not hasattr(getattr(trainer, "_signal_connector", None), "_sigterm_notifier_fn"):
+        return "this Lightning's signal connector differs"
+    if not hasattr(dist.distributed_c10d, "_get_default_store"):
+        return "this torch has no default store"
+    return None

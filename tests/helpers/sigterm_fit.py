@@ -1,0 +1,170 @@
+"""A 2-process CPU fit run as a script (Lightning re-runs it for rank 1), used by the preemption tests.
+
+It can send SIGTERM to one rank at a chosen batch, count the Python-level ``torch.distributed`` calls made during a
+window of training batches, and writes per rank what happened to ``<out>/rank<r>.json``.
+
+    python tests/helpers/sigterm_fit.py --strategy mgpu --out /tmp/x --sigterm-rank 1 --sigterm-batch 5
+"""
+
+import argparse
+import functools
+import json
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy as StockDDPStrategy
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from lightning_mgpu import MultiGPUStrategy
+
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "monitored_barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+)
+
+
+class Probe(pl.Callback):
+    def __init__(self, out: Path, sigterm_rank: int | None, sigterm_batch: int | None, window: tuple[int, int]):
+        self.out = out
+        self.sigterm_rank = sigterm_rank
+        self.sigterm_batch = sigterm_batch
+        self.window = window
+        self.counting = False
+        self.calls: dict[str, int] = {}
+        self.completed = 0
+        self.signal_time: float | None = None
+
+    def setup(self, trainer, pl_module, stage):
+        for name in COLLECTIVES:
+            original = getattr(dist, name, None)
+            if original is not None:
+                setattr(dist, name, self._counted(name, original))
+
+    def _counted(self, name, original):
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            if self.counting:
+                self.calls[name] = self.calls.get(name, 0) + 1
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        # the stock per-step broadcast runs before this hook: the window counts batches start+1 .. stop
+        if batch_idx == self.window[0]:
+            self.counting = True
+        elif batch_idx == self.window[1]:
+            self.counting = False
+        if trainer.global_rank == self.sigterm_rank and batch_idx == self.sigterm_batch:
+            self.signal_time = time.time()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.completed += 1
+
+    def on_exception(self, trainer, pl_module, exception):
+        self._write(trainer, type(exception).__name__)
+
+    def on_train_end(self, trainer, pl_module):
+        self._write(trainer, None)
+
+    def _write(self, trainer, exception):
+        steps = self.window[1] - self.window[0]
+        record = {
+            "rank": trainer.global_rank,
+            "completed": self.completed,
+            "exception": exception,
+            "collective_calls": self.calls,
+            "collectives_per_step": sum(self.calls.values()) / steps,
+            "signal_time": self.signal_time,
+            "end_time": time.time(),
+        }
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+class MLP(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", choices=["mgpu", "stock"], required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--sigterm-rank", type=int)
+    parser.add_argument("--sigterm-batch", type=int)
+    parser.add_argument("--window", type=int, nargs=2, default=(10, 30))
+    parser.add_argument("--step-delay", type=float, default=0.0, help="seconds of sleep per step (slow steps)")
+    parser.add_argument("--pg-timeout", type=float, default=30.0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    timeout = timedelta(seconds=args.pg_timeout)
+    if args.strategy == "mgpu":
+        strategy = MultiGPUStrategy(mode="ddp", timeout=timeout)
+    else:
+        strategy = StockDDPStrategy(timeout=timeout)
+
+    class Slow(pl.Callback):
+        def on_train_batch_end(self, *_):
+            time.sleep(args.step_delay)
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(4096, 32, generator=g), torch.randint(0, 4, (4096,), generator=g))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Probe(args.out, args.sigterm_rank, args.sigterm_batch, tuple(args.window)), Slow()],
+    )
+    trainer.fit(MLP(), DataLoader(data, batch_size=16))
+
+
+if __name__ == "__main__":
+    main()

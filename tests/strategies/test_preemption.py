@@ -1,0 +1,162 @@
+"""No per-step collective under our DDP, and a SIGTERM on any one rank stops all ranks at the same batch."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from lightning.pytorch import Trainer
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from lightning_mgpu.strategies.preemption import SigtermAgreement
+from tests.conftest import LAUNCHER_VARIABLES
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "tests" / "helpers" / "sigterm_fit.py"
+SIGTERM_BATCH = 8
+
+
+def run_script(tmp_path, strategy, *extra, timeout=90):
+    """Run the 2-process fit as a script; kill its whole process group if it outlives ``timeout``."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    command = [sys.executable, str(SCRIPT), "--strategy", strategy, "--out", str(tmp_path), *map(str, extra)]
+    start = time.monotonic()
+    proc = subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        hung = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        hung = True
+    records = {int(p.stem[4:]): json.loads(p.read_text()) for p in Path(tmp_path).glob("rank*.json")}
+    return {
+        "rc": proc.returncode,
+        "hung": hung,
+        "seconds": time.monotonic() - start,
+        "records": records,
+        "output": output.decode(errors="replace"),
+    }
+
+
+class TestAgreementLogic:
+    """Two agreements on one real store stand for two ranks; no process group needed."""
+
+    def test_first_signalled_rank_sets_the_stop_batch_for_everyone(self):
+        store = dist.HashStore()
+        rank0, rank1 = SigtermAgreement(store, margin=2), SigtermAgreement(store, margin=2)
+        for _ in range(3):
+            rank0.at_batch_boundary()
+            rank1.at_batch_boundary()
+        rank1.on_sigterm(signal.SIGTERM, None)  # a signal on rank 1 only
+        rank1.at_batch_boundary()  # boundary 4: publishes 4 + 2
+        rank0.at_batch_boundary()  # boundary 4: reads it
+        assert rank1.stop_batch == rank0.stop_batch == 6
+        rank0.on_sigterm(signal.SIGTERM, None)  # a later signal does not move the agreed batch
+        rank0.at_batch_boundary()
+        rank1.at_batch_boundary()
+        assert rank0.stop_batch == 6
+        for agreement in (rank0, rank1):
+            with pytest.raises(SIGTERMException):
+                agreement.at_batch_boundary()  # boundary 6
+            assert agreement.batch == 6
+
+    def test_rank_one_boundary_behind_still_stops_at_the_same_batch(self):
+        store = dist.HashStore()
+        ahead, behind = SigtermAgreement(store, margin=2), SigtermAgreement(store, margin=2)
+        ahead.at_batch_boundary()
+        ahead.on_sigterm(signal.SIGTERM, None)
+        ahead.at_batch_boundary()  # boundary 2 publishes 4; `behind` has not reached boundary 1 yet
+        stops = []
+        for agreement in (ahead, behind):
+            while True:
+                try:
+                    agreement.at_batch_boundary()
+                except SIGTERMException:
+                    stops.append(agreement.batch)
+                    break
+        assert stops == [4, 4]
+
+    def test_install_and_uninstall_touch_one_trainer_only(self):
+        trainer, other = Trainer(logger=False), Trainer(logger=False)
+        agreement = SigtermAgreement(dist.HashStore(), margin=2)
+        agreement.install(trainer)
+        assert trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor == agreement.at_batch_boundary
+        assert trainer._signal_connector._sigterm_notifier_fn == agreement.on_sigterm
+        assert other.fit_loop.epoch_loop._broadcast_sigterm_tensor.__func__ is (
+            _TrainingEpochLoop._broadcast_sigterm_tensor
+        )
+        agreement.uninstall()
+        assert trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor.__func__ is (
+            _TrainingEpochLoop._broadcast_sigterm_tensor
+        )
+        assert "_sigterm_notifier_fn" not in trainer._signal_connector.__dict__
+
+    def test_not_installed_without_a_process_group(self):
+        assert SigtermAgreement.for_trainer(Trainer(logger=False)) is None
+
+
+@pytest.mark.distributed
+def test_no_python_collective_per_training_step(tmp_path):
+    ours = run_script(tmp_path / "ours", "mgpu", "--steps", 40, "--window", 10, 30)
+    stock = run_script(tmp_path / "stock", "stock", "--steps", 40, "--window", 10, 30)
+    for result in (ours, stock):
+        assert result["rc"] == 0 and set(result["records"]) == {0, 1}, result["output"][-3000:]
+    for rank in (0, 1):
+        assert ours["records"][rank]["collective_calls"] == {}
+        assert ours["records"][rank]["collectives_per_step"] == 0.0
+        # what we replace: stock Lightning broadcasts once per training batch
+        assert stock["records"][rank]["collective_calls"] == {"broadcast": 20}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("signalled_rank", [0, 1])
+def test_sigterm_on_one_rank_stops_every_rank_at_the_same_batch(tmp_path, signalled_rank, record_property):
+    ours = run_script(
+        tmp_path, "mgpu", "--steps", 500, "--sigterm-rank", signalled_rank, "--sigterm-batch", SIGTERM_BATCH, timeout=90
+    )
+    assert not ours["hung"], ours["output"][-3000:]
+    assert set(ours["records"]) == {0, 1}, ours["output"][-3000:]
+    completed = {rank: record["completed"] for rank, record in ours["records"].items()}
+    assert all(record["exception"] == "SIGTERMException" for record in ours["records"].values())
+    assert completed[0] == completed[1]
+    assert SIGTERM_BATCH < completed[0] <= SIGTERM_BATCH + 4  # within a few steps of the signal
+    signal_time = ours["records"][signalled_rank]["signal_time"]
+    assert max(r["end_time"] for r in ours["records"].values()) - signal_time < 10
+    record_property("ours", {"completed": completed, "seconds": round(ours["seconds"], 1)})
+
+
+@pytest.mark.distributed
+def test_stock_lightning_with_sigterm_on_rank_1_for_the_record(tmp_path, record_property):
+    """Records what stock does where ours is tested above; the outcome is also printed with -s."""
+    stock = run_script(
+        tmp_path,
+        "stock",
+        "--steps",
+        500,
+        "--sigterm-rank",
+        1,
+        "--sigterm-batch",
+        SIGTERM_BATCH,
+        "--pg-timeout",
+        6,
+        timeout=90,
+    )
+    outcome = {
+        "hung_until_killed": stock["hung"],
+        "seconds": round(stock["seconds"], 1),
+        "per_rank": {r: (rec["completed"], rec["exception"]) for r, rec in sorted(stock["records"].items())},
+        "collective_timeout": "Timed out waiting" in stock["output"],
+    }
+    record_property("stock_lightning", outcome)
+    print(f"stock Lightning, SIGTERM on rank 1 at batch {SIGTERM_BATCH}: {outcome}")
+    # stock issues an unmatched broadcast from rank 1's signal handler: the ranks do not stop together cleanly
+    clean = not stock["hung"] and all(rec["exception"] == "SIGTERMException" for rec in stock["records"].values())
+    assert not clean, "stock Lightning now stops cleanly here: revisit lightning_mgpu.strategies.preemption"
