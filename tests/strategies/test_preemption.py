@@ -51,7 +51,7 @@ class TestAgreementLogic:
 
     def test_first_signalled_rank_sets_the_stop_batch_for_everyone(self):
         store = dist.HashStore()
-        rank0, rank1 = SigtermAgreement(store, margin=2), SigtermAgreement(store, margin=2)
+        rank0, rank1 = SigtermAgreement(store, margin=2, interval=1), SigtermAgreement(store, margin=2, interval=1)
         for _ in range(3):
             rank0.at_batch_boundary()
             rank1.at_batch_boundary()
@@ -70,7 +70,7 @@ class TestAgreementLogic:
 
     def test_rank_one_boundary_behind_still_stops_at_the_same_batch(self):
         store = dist.HashStore()
-        ahead, behind = SigtermAgreement(store, margin=2), SigtermAgreement(store, margin=2)
+        ahead, behind = SigtermAgreement(store, margin=2, interval=1), SigtermAgreement(store, margin=2, interval=1)
         ahead.at_batch_boundary()
         ahead.on_sigterm(signal.SIGTERM, None)
         ahead.at_batch_boundary()  # boundary 2 publishes 4; `behind` has not reached boundary 1 yet
@@ -83,6 +83,25 @@ class TestAgreementLogic:
                     stops.append(agreement.batch)
                     break
         assert stops == [4, 4]
+
+    def test_store_is_read_every_interval_batches_and_the_stop_lands_on_a_read(self):
+        store = dist.HashStore()
+        ranks = [SigtermAgreement(store, margin=1, interval=4) for _ in range(2)]
+        for _ in range(4):
+            for agreement in ranks:
+                agreement.at_batch_boundary()
+        ranks[0].on_sigterm(signal.SIGTERM, None)
+        ranks[0].at_batch_boundary()  # boundary 5 publishes the first read at or after 5 + 1: batch 8
+        ranks[1].at_batch_boundary()  # boundary 5 is no read: rank 1 does not know yet
+        assert ranks[0].stop_batch == 8 and ranks[1].stop_batch is None
+        for _boundary in (6, 7):
+            for agreement in ranks:
+                agreement.at_batch_boundary()
+        assert ranks[1].stop_batch is None
+        for agreement in ranks:
+            with pytest.raises(SIGTERMException):
+                agreement.at_batch_boundary()  # boundary 8: rank 1 reads the key and both stop
+        assert [a.batch for a in ranks] == [8, 8]
 
     def test_install_and_uninstall_touch_one_trainer_only(self):
         trainer, other = Trainer(logger=False), Trainer(logger=False)
@@ -127,7 +146,8 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_batch(tmp_path, signal
     completed = {rank: record["completed"] for rank, record in ours["records"].items()}
     assert all(record["exception"] == "SIGTERMException" for record in ours["records"].values())
     assert completed[0] == completed[1]
-    assert SIGTERM_BATCH < completed[0] <= SIGTERM_BATCH + 4  # within a few steps of the signal
+    # within a few steps: 1 to publish, accumulate_grad_batches (1) of margin, up to 4 to the next store read
+    assert SIGTERM_BATCH < completed[0] <= SIGTERM_BATCH + 6
     signal_time = ours["records"][signalled_rank]["signal_time"]
     assert max(r["end_time"] for r in ours["records"].values()) - signal_time < 10
     record_property("ours", {"completed": completed, "seconds": round(ours["seconds"], 1)})
