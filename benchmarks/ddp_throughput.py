@@ -15,16 +15,15 @@ line for rank 1, exactly as it does for a user's script.
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
+
+from _common import describe_machine, launch_second_rank, mlp, run_worker, synthetic_dataset
 
 CONFIGS = {
-    # name: strategy argument given to Trainer
+    # name: strategy argument given to Trainer ("torch": no Lightning, a plain DDP loop)
     "stock_ddp": "ddp",
+    "torch": None,
     "mgpu": "mgpu",
     "mgpu_fp16": "mgpu_ddp_fp16",
     "mgpu_bf16": "mgpu_ddp_bf16",
@@ -34,12 +33,50 @@ BASELINE = "stock_ddp"
 RESULT_PREFIX = "BENCHMARK_RESULT "
 
 
+def torch_worker(steps: int, warmup: int, batch_size: int) -> None:
+    """The same training as the Lightning configurations, as a plain torch DDP loop over the same data loader."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    torch.set_num_threads(1)
+    child = launch_second_rank()  # rank 0 starts rank 1 from the same command line, as Lightning's launcher does
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    model = nn.parallel.DistributedDataParallel(mlp())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = synthetic_dataset(steps, batch_size)
+    loader = DataLoader(data, batch_size=batch_size, sampler=DistributedSampler(data, 2, rank, shuffle=False))
+    start = stop = 0.0
+    for batch_idx, (x, y) in enumerate(loader):
+        if batch_idx == steps:
+            break
+        loss = nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if batch_idx + 1 == warmup:
+            start = time.perf_counter()
+        elif batch_idx + 1 == steps:
+            stop = time.perf_counter()
+    dist.barrier()  # both ranks done before either tears down gloo
+    dist.destroy_process_group()
+    if child is not None and child.wait() == 0:
+        measured = steps - warmup
+        result = {"config": "torch", "samples_per_s": measured * batch_size * 2 / (stop - start)}
+        print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
 def worker(name: str, steps: int, warmup: int, batch_size: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if name == "torch":
+        torch_worker(steps, warmup, batch_size)
+        return
     import lightning.pytorch as pl
     import torch
     from torch import nn
-    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data import DataLoader
 
     import lightning_mgpu
 
@@ -48,9 +85,7 @@ def worker(name: str, steps: int, warmup: int, batch_size: int) -> None:
     class MLP(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = nn.Sequential(
-                nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
-            )
+            self.net = mlp()
 
         def training_step(self, batch, batch_idx):
             x, y = batch
@@ -69,13 +104,13 @@ def worker(name: str, steps: int, warmup: int, batch_size: int) -> None:
             elif batch_idx + 1 == steps:
                 self.stop = time.perf_counter()
 
-    g = torch.Generator().manual_seed(0)
-    samples = steps * batch_size * 2
-    data = TensorDataset(torch.randn(samples, 1024, generator=g), torch.randint(0, 10, (samples,), generator=g))
+    data = synthetic_dataset(steps, batch_size)
     clock = Clock()
     strategy = CONFIGS[name]
-    if name == "mgpu_powersgd":
-        strategy = lightning_mgpu.MultiGPUStrategy(mode="ddp", comm_hook="powersgd", powersgd_warmup_steps=warmup)
+    if name == "mgpu_powersgd":  # the mgpu_ddp_powersgd preset, with a warm-up that fits a short run
+        strategy = lightning_mgpu.MultiGPUStrategy(
+            mode="ddp", comm_hook="powersgd", gradient_as_bucket_view=True, powersgd_warmup_steps=warmup
+        )
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
@@ -99,41 +134,8 @@ def worker(name: str, steps: int, warmup: int, batch_size: int) -> None:
 
 
 def measure(name: str, args: argparse.Namespace) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    command = [
-        sys.executable,
-        __file__,
-        "--worker",
-        name,
-        "--steps",
-        str(args.steps),
-        "--warmup",
-        str(args.warmup),
-        "--batch-size",
-        str(args.batch_size),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    for line in done.stdout.splitlines():
-        if line.startswith(RESULT_PREFIX):
-            return json.loads(line[len(RESULT_PREFIX) :])
-    raise RuntimeError(f"{name} produced no result:\n{done.stderr[-3000:]}")
-
-
-def describe_machine() -> str:
-    import lightning
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return (
-        f"{cpu}, {os.cpu_count()} cores; Python {platform.python_version()}, torch {torch.__version__}, "
-        f"lightning {lightning.__version__}"
-    )
+    worker_args = [name, "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-size", str(args.batch_size)]
+    return run_worker(__file__, worker_args, RESULT_PREFIX)
 
 
 def main() -> None:
@@ -172,6 +174,13 @@ def main() -> None:
         print(
             f"  {name:<14} {statistics.median(samples[name]):>8,.0f}  "
             f"{statistics.median(ratios[name]):.2f}x  (range {min(ratios[name]):.2f}-{max(ratios[name]):.2f})"
+        )
+
+    if "torch" in samples and "mgpu" in samples:
+        against_torch = [m / t for m, t in zip(samples["mgpu"], samples["torch"], strict=True)]
+        print(
+            f"  mgpu / plain torch DDP loop, same round: median {statistics.median(against_torch):.2f}x "
+            f"(range {min(against_torch):.2f}-{max(against_torch):.2f})"
         )
 
 

@@ -1,0 +1,83 @@
+"""Pieces shared by the 2-process CPU DDP benchmarks (``ddp_throughput.py``, ``step_profile.py``).
+
+The scripts run as ``python benchmarks/<name>.py``, so ``benchmarks/`` is ``sys.path[0]`` and they import this as
+``_common``. torch and lightning are imported inside the functions that need them: importing this module is cheap.
+"""
+
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+# what a launcher leaves in the environment; a fresh worker must start without it
+LAUNCHER_ENV_VARS = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def describe_machine() -> str:
+    """One line: CPU model, core count, Python, torch and lightning versions."""
+    import lightning
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return (
+        f"{cpu}, {os.cpu_count()} cores; Python {platform.python_version()}, torch {torch.__version__}, "
+        f"lightning {lightning.__version__}"
+    )
+
+
+def mlp():
+    """The benchmark model (shared/FACTS.md): an MLP 1024-1024-1024-10, 2.1M parameters."""
+    from torch import nn
+
+    return nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+
+
+def synthetic_dataset(steps: int, batch_size: int):
+    """Seeded random inputs and labels: ``steps`` batches of ``batch_size`` for each of the 2 processes."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    samples = steps * batch_size * 2
+    return TensorDataset(torch.randn(samples, 1024, generator=g), torch.randint(0, 10, (samples,), generator=g))
+
+
+def launch_second_rank() -> subprocess.Popen | None:
+    """Make a plain torch worker rank 0 of 2 and start rank 1 as a copy of its command line, as Lightning does.
+
+    Without ``RANK`` in the environment: picks a free local port, sets ``MASTER_ADDR``, ``MASTER_PORT``,
+    ``WORLD_SIZE=2`` and ``RANK=0`` here and returns the started rank-1 process. In that process (``RANK`` set)
+    it does nothing and returns None.
+    """
+    if "RANK" in os.environ:
+        return None
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK="0")
+    return subprocess.Popen([sys.executable, *sys.argv], env={**os.environ, "RANK": "1"})
+
+
+def run_worker(script: str, worker_args: list[str], result_prefix: str, timeout: float = 600) -> dict:
+    """Run ``python script --worker *worker_args`` afresh and return the JSON it prints after ``result_prefix``.
+
+    ``worker_args[0]`` is the worker's name. The child gets the environment without launcher variables, with
+    ``OMP_NUM_THREADS=1`` and the repository root as ``PYTHONPATH``. Raises with the tail of its stderr when no
+    result line comes.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV_VARS}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    command = [sys.executable, script, "--worker", *worker_args]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
+    for line in done.stdout.splitlines():
+        if line.startswith(result_prefix):
+            return json.loads(line[len(result_prefix) :])
+    raise RuntimeError(f"{worker_args[0]} produced no result:\n{done.stderr[-3000:]}")
