@@ -4,6 +4,7 @@ Importing the package registers the strategy names ``mgpu``, ``mgpu_ddp``, ``mgp
 ``mgpu_dp`` and the compression presets ``mgpu_ddp_fp16``, ``mgpu_ddp_bf16``, ``mgpu_ddp_powersgd`` with Lightning.
 """
 
+from lightning_mgpu.callbacks import GradientClipping
 from lightning_mgpu.strategies import (
     DataParallelStrategy,
     DDPStrategy,
@@ -24,6 +25,7 @@ __all__ = [
     "DataParallelStrategy",
     "DeviceAgnosticSyncBatchNorm",
     "DistributedBatchNorm",
+    "GradientClipping",
     "MultiGPUStrategy",
     "SingleDeviceStrategy",
     "StrategyChoice",

@@ -1,0 +1,207 @@
+"""Gradient clipping by norm, by value, unit-wise adaptive (AGC) or against running norm statistics (z-score)."""
+
+import fnmatch
+import math
+from collections.abc import Sequence
+from typing import Any, Literal, get_args
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_mgpu.utilities.clip_grad import (
+    GradNormStatistics,
+    adaptive_clip_grads_,
+    clip_grads_by_norm_,
+    total_grad_norm,
+    zscore_clip_grads_,
+)
+
+ClipMode = Literal["norm", "value", "agc", "zscore"]
+CLIP_MODES: tuple[str, ...] = get_args(ClipMode)
+# option -> the mode it belongs to, and its default there (None: required)
+_MODE_OPTIONS: dict[str, tuple[str, float | int | None]] = {
+    "max_norm": ("norm", None),
+    "clip_value": ("value", None),
+    "clip_factor": ("agc", 0.01),
+    "eps": ("agc", 1e-3),
+    "z_threshold": ("zscore", 2.5),
+    "warmup_steps": ("zscore", 25),
+    "decay": ("zscore", 0.97),
+}
+
+
+class GradientClipping(Callback):
+    """Clip gradients before every optimizer step, and log their norm.
+
+    Runs in ``on_before_optimizer_step``: after Lightning has unscaled AMP gradients, before the optimizer step,
+    once per optimizer step (with gradient accumulation, on the accumulated gradients). Every decision is made on
+    the device, so it adds no host-device synchronisation.
+
+    - ``mode="norm"``: scale all gradients so that their total ``norm_type``-norm is at most ``max_norm``; the same
+      parameters as ``Trainer(gradient_clip_val=max_norm, gradient_clip_algorithm="norm")``.
+    - ``mode="value"``: clamp every gradient element to ``[-clip_value, clip_value]``; the same as
+      ``Trainer(gradient_clip_val=clip_value, gradient_clip_algorithm="value")``.
+    - ``mode="agc"``: unit-wise adaptive clipping (Brock et al., 2021, NFNets): each unit's gradient norm is
+      clipped to ``clip_factor * max(||unit weights||, eps)``. Parameters whose name matches a pattern of
+      ``exclude`` are left alone; the paper leaves the final classifier unclipped.
+    - ``mode="zscore"``: after ``warmup_steps`` steps that only gather statistics, scale the gradients down to
+      ``mean + z_threshold * std`` of the recent total norms whenever their norm exceeds it. The statistics (a
+      moving average with weight ``decay`` for the past) are updated with the clipped norm, and saved in
+      checkpoints.
+
+    Logged keys, every step (``on_step=True``), unitless norms:
+
+    - ``grad_norm``: total ``norm_type``-norm of the gradients before clipping.
+    - ``grad_norm_threshold`` (``zscore`` only, after warm-up): the norm the gradients were clipped to at most.
+
+    Args:
+        mode: ``"norm"``, ``"value"``, ``"agc"`` or ``"zscore"``.
+        max_norm: ``norm``: the largest total norm.
+        norm_type: the p of the p-norm used for ``norm``, ``zscore`` and the logged norm.
+        clip_value: ``value``: the largest absolute gradient value.
+        clip_factor: ``agc``: largest gradient-to-weight norm ratio per unit (default 0.01).
+        eps: ``agc``: floor of the weight norm (default 1e-3).
+        exclude: ``agc``: parameter name patterns (``fnmatch``, e.g. ``"head.*"``) not to clip.
+        z_threshold: ``zscore``: standard deviations above the mean (default 2.5).
+        warmup_steps: ``zscore``: steps that only gather statistics (default 25).
+        decay: ``zscore``: weight of the past in the moving statistics (default 0.97).
+        log_norm: log the keys above.
+
+    Raises:
+        ValueError: an unknown mode, a missing or non-positive threshold, or an option of another mode.
+        TypeError: an option of the wrong type.
+        MisconfigurationException: at ``setup``, if ``Trainer(gradient_clip_val=...)`` also clips.
+
+    Example::
+
+        trainer = Trainer(callbacks=[GradientClipping(mode="norm", max_norm=1.0)])
+        trainer = Trainer(callbacks=[GradientClipping(mode="agc", clip_factor=0.01, exclude=["head.*"])])
+        trainer = Trainer(callbacks=[GradientClipping(mode="zscore", z_threshold=2.5)])
+    """
+
+    def __init__(
+        self,
+        mode: ClipMode = "norm",
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        clip_value: float | None = None,
+        clip_factor: float | None = None,
+        eps: float | None = None,
+        exclude: Sequence[str] = (),
+        z_threshold: float | None = None,
+        warmup_steps: int | None = None,
+        decay: float | None = None,
+        log_norm: bool = True,
+    ) -> None:
+        owner = type(self).__name__
+        if mode not in CLIP_MODES:
+            raise ValueError(f"{owner}: mode must be one of {', '.join(map(repr, CLIP_MODES))}, got {mode!r}")
+        given = {
+            "max_norm": max_norm,
+            "clip_value": clip_value,
+            "clip_factor": clip_factor,
+            "eps": eps,
+            "z_threshold": z_threshold,
+            "warmup_steps": warmup_steps,
+            "decay": decay,
+        }
+        options: dict[str, Any] = {}
+        for name, value in given.items():
+            option_mode, default = _MODE_OPTIONS[name]
+            if option_mode != mode:
+                if value is not None:
+                    raise ValueError(f"{owner}: {name} belongs to mode={option_mode!r}, not mode={mode!r}")
+                continue
+            if value is None and default is None:
+                raise ValueError(f"{owner}(mode={mode!r}) needs {name}, a positive number")
+            options[name] = default if value is None else value
+        _check_positive(owner, "norm_type", norm_type, allow_inf=True)
+        for name in ("max_norm", "clip_value", "clip_factor", "eps", "z_threshold"):
+            if name in options:
+                _check_positive(owner, name, options[name])
+        if "warmup_steps" in options:
+            steps = options["warmup_steps"]
+            if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+                raise ValueError(f"{owner}: warmup_steps must be an int >= 0, got {steps!r}")
+        if "decay" in options and not 0.0 < options["decay"] < 1.0:
+            raise ValueError(f"{owner}: decay must be between 0 and 1 (exclusive), got {options['decay']!r}")
+        if isinstance(exclude, str) or not all(isinstance(pattern, str) for pattern in exclude):
+            raise TypeError(f"{owner}: exclude must be a list of name patterns, got {exclude!r}")
+        if exclude and mode != "agc":
+            raise ValueError(f"{owner}: exclude belongs to mode='agc', not mode={mode!r}")
+
+        self.mode = mode
+        self.norm_type = float(norm_type)
+        self.options = options
+        self.exclude = tuple(exclude)
+        self.log_norm = log_norm
+        self.statistics = GradNormStatistics(decay=options.get("decay", 0.97))
+        self._excluded_ids: set[int] = set()
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(mode=self.mode, **self.options)
+
+    @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if trainer.gradient_clip_val:
+            raise MisconfigurationException(
+                f"{type(self).__name__}(mode={self.mode!r}) and Trainer(gradient_clip_val={trainer.gradient_clip_val})"
+                " both clip gradients; keep one of them."
+            )
+        self._excluded_ids = {
+            id(param)
+            for name, param in pl_module.named_parameters()
+            if any(fnmatch.fnmatchcase(name, pattern) for pattern in self.exclude)
+        }
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Optimizer
+    ) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        norm, threshold = self._clip(params)
+        if self.log_norm:
+            pl_module.log("grad_norm", norm, on_step=True, on_epoch=False)
+            if threshold is not None:
+                pl_module.log("grad_norm_threshold", threshold, on_step=True, on_epoch=False)
+
+    def _clip(self, params: list[Tensor]) -> tuple[Tensor, Tensor | None]:
+        grads = [p.grad for p in params]
+        if self.mode == "norm":
+            return clip_grads_by_norm_(grads, self.options["max_norm"], self.norm_type), None
+        if self.mode == "zscore":
+            return zscore_clip_grads_(
+                grads, self.statistics, self.options["z_threshold"], self.options["warmup_steps"], self.norm_type
+            )
+        norm = total_grad_norm(grads, self.norm_type)
+        if self.mode == "value":
+            torch.nn.utils.clip_grad_value_(params, self.options["clip_value"])
+        else:
+            kept = [p for p in params if id(p) not in self._excluded_ids]
+            adaptive_clip_grads_(kept, self.options["clip_factor"], self.options["eps"])
+        return norm, None
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"statistics": self.statistics.state_dict()} if self.mode == "zscore" else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.mode == "zscore" and "statistics" in state_dict:
+            self.statistics.load_state_dict(state_dict["statistics"])
+
+
+def _check_positive(owner: str, name: str, value: Any, allow_inf: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{owner}: {name} must be a positive number, got {value!r}")
+    if math.isnan(value) or value <= 0 or (math.isinf(value) and not allow_inf):
+        raise ValueError(f"{owner}: {name} must be a positive number, got {value!r}")

@@ -1,0 +1,201 @@
+"""Gradient clipping as pure functions on tensors, decided on the device: no host synchronisation.
+
+Every function takes gradients (or parameters with gradients) and changes them in place; none reads a tensor's
+value on the host, so on CUDA a step costs a few kernels and no ``cudaStreamSynchronize``.
+"""
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+def total_grad_norm(grads: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
+    """The norm of all ``grads`` taken together, as one 0-dim tensor on their device, in fp32 or wider.
+
+    Args:
+        grads: the gradients.
+        norm_type: the p of the p-norm; ``float("inf")`` for the max norm.
+
+    Example::
+
+        >>> total_grad_norm([torch.tensor([3.0]), torch.tensor([4.0])])
+        tensor(5.)
+    """
+    if not grads:
+        return torch.zeros(())
+    get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6: grouped foreach kernels
+    if get_total_norm is not None:
+        return get_total_norm(list(grads), norm_type).float()
+    norms = [torch.linalg.vector_norm(g.float(), norm_type).to(grads[0].device) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+
+
+def scale_grads_(grads: Sequence[Tensor], coefficient: Tensor) -> None:
+    """Multiply every gradient in place by a 0-dim ``coefficient`` tensor.
+
+    Args:
+        grads: the gradients.
+        coefficient: the factor, on the gradients' device.
+    """
+    if grads:
+        torch._foreach_mul_(list(grads), coefficient.to(grads[0].device))
+
+
+def clip_grads_by_norm_(grads: Sequence[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
+    """Scale ``grads`` so that their total norm is at most ``max_norm``; return the norm before clipping.
+
+    The same arithmetic as ``torch.nn.utils.clip_grad_norm_`` (and so as ``Trainer(gradient_clip_val=...)``):
+    coefficient ``max_norm / (norm + 1e-6)``, clamped to at most 1.
+
+    Args:
+        grads: the gradients.
+        max_norm: the largest allowed total norm.
+        norm_type: the p of the p-norm.
+
+    Example::
+
+        >>> grads = [torch.tensor([3.0, 4.0])]
+        >>> clip_grads_by_norm_(grads, max_norm=1.0)
+        tensor(5.)
+        >>> grads[0]
+        tensor([0.6000, 0.8000])
+    """
+    norm = total_grad_norm(grads, norm_type)
+    scale_grads_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    return norm
+
+
+def unitwise_norm(tensor: Tensor) -> Tensor:
+    """Norm per output unit: over all dims but the first for a matrix or kernel, over everything for a vector.
+
+    Args:
+        tensor: a parameter or its gradient.
+
+    Example::
+
+        >>> unitwise_norm(torch.tensor([[3.0, 4.0], [0.0, 1.0]]))
+        tensor([[5.],
+                [1.]])
+    """
+    if tensor.dim() <= 1:
+        return torch.linalg.vector_norm(tensor.float())
+    return torch.linalg.vector_norm(tensor.float(), dim=tuple(range(1, tensor.dim())), keepdim=True)
+
+
+def adaptive_clip_grads_(params: Sequence[Tensor], clip_factor: float = 0.01, eps: float = 1e-3) -> None:
+    """Unit-wise adaptive gradient clipping (AGC, Brock et al. 2021) of ``params``' gradients, in place.
+
+    For every unit (an output row of a weight), the gradient's norm is clipped to
+    ``clip_factor * max(||unit weights||, eps)``: a gradient may change a unit by at most that fraction.
+
+    Args:
+        params: parameters whose ``.grad`` is set.
+        clip_factor: the largest allowed ratio of gradient norm to weight norm, per unit.
+        eps: floor of the weight norm, so that units initialised at zero can still move.
+
+    Example::
+
+        >>> weight = torch.nn.Parameter(torch.tensor([[3.0, 4.0]]))
+        >>> weight.grad = torch.tensor([[0.6, 0.8]])
+        >>> adaptive_clip_grads_([weight], clip_factor=0.1)
+        >>> weight.grad
+        tensor([[0.3000, 0.4000]])
+    """
+    for param in params:
+        grad = param.grad
+        if grad is None:
+            continue
+        max_norm = unitwise_norm(param.detach()).clamp(min=eps) * clip_factor
+        grad_norm = unitwise_norm(grad)
+        scale = torch.where(grad_norm > max_norm, max_norm / grad_norm.clamp(min=1e-6), torch.ones_like(grad_norm))
+        grad.mul_(scale.to(grad.dtype))
+
+
+class GradNormStatistics:
+    """Running mean and variance of the total gradient norm, kept on the device, for z-score clipping.
+
+    The weight of a new observation is ``max(1 - decay, 1 / n)`` for the n-th: an exact average while few
+    norms have been seen, an exponential moving average afterwards. Non-finite norms leave the statistics as they
+    are. The step counter lives on the host, so deciding whether warm-up is over needs no synchronisation.
+
+    Args:
+        decay: weight of the past in the moving average, in (0, 1).
+
+    Example::
+
+        >>> stats = GradNormStatistics(decay=0.9)
+        >>> for norm in (1.0, 3.0):
+        ...     stats.update(torch.tensor(norm))
+        >>> stats.mean, stats.var
+        (tensor(2.), tensor(1.))
+    """
+
+    def __init__(self, decay: float = 0.97) -> None:
+        self.decay = decay
+        self.count = 0
+        self.mean = torch.zeros(())
+        self.var = torch.zeros(())
+
+    def update(self, norm: Tensor) -> None:
+        """Fold one observed norm into the statistics."""
+        if self.mean.device != norm.device:
+            self.mean, self.var = self.mean.to(norm.device), self.var.to(norm.device)
+        self.count += 1
+        weight = max(1.0 - self.decay, 1.0 / self.count)
+        norm = norm.float()
+        delta = norm - self.mean
+        mean = self.mean + weight * delta
+        var = (1.0 - weight) * (self.var + weight * delta * delta)
+        finite = torch.isfinite(norm)
+        self.mean = torch.where(finite, mean, self.mean)
+        self.var = torch.where(finite, var, self.var)
+
+    def threshold(self, z_threshold: float) -> Tensor:
+        """``mean + z_threshold * std``."""
+        return self.mean + z_threshold * self.var.sqrt()
+
+    def state_dict(self) -> dict[str, float | int]:
+        """Plain numbers for a checkpoint (reads the device once, at checkpoint time)."""
+        return {"count": self.count, "mean": float(self.mean), "var": float(self.var)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore from :meth:`state_dict`; missing keys keep their current values."""
+        self.count = int(state.get("count", self.count))
+        self.mean = torch.tensor(float(state.get("mean", self.mean)), device=self.mean.device)
+        self.var = torch.tensor(float(state.get("var", self.var)), device=self.var.device)
+
+
+def zscore_clip_grads_(
+    grads: Sequence[Tensor], stats: GradNormStatistics, z_threshold: float, warmup_steps: int, norm_type: float = 2.0
+) -> tuple[Tensor, Tensor | None]:
+    """Clip ``grads`` to ``mean + z * std`` of recent total norms once ``warmup_steps`` norms have been seen.
+
+    The statistics are then updated with the norm after clipping, so that one spike does not inflate them.
+
+    Args:
+        grads: the gradients.
+        stats: the running statistics, updated in place.
+        z_threshold: how many standard deviations above the mean a norm may be before it is clipped.
+        warmup_steps: steps that only gather statistics.
+        norm_type: the p of the p-norm.
+
+    Returns:
+        The total norm before clipping, and the threshold applied (``None`` during warm-up).
+
+    Example::
+
+        stats = GradNormStatistics()
+        norm, threshold = zscore_clip_grads_(grads, stats, z_threshold=2.5, warmup_steps=25)
+    """
+    norm = total_grad_norm(grads, norm_type)
+    if stats.count < warmup_steps:
+        stats.update(norm)
+        return norm, None
+    threshold = stats.threshold(z_threshold).to(norm.device)
+    coefficient = torch.where(
+        torch.isfinite(norm), torch.clamp(threshold / (norm + 1e-6), max=1.0), torch.ones_like(norm)
+    )
+    scale_grads_(grads, coefficient)
+    stats.update(torch.minimum(norm, threshold))
+    return norm, threshold

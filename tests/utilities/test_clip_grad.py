@@ -1,0 +1,94 @@
+import math
+
+import pytest
+import torch
+
+from lightning_mgpu.utilities.clip_grad import (
+    GradNormStatistics,
+    adaptive_clip_grads_,
+    clip_grads_by_norm_,
+    total_grad_norm,
+    unitwise_norm,
+    zscore_clip_grads_,
+)
+
+
+def test_total_norm_by_hand():
+    grads = [torch.tensor([3.0, 0.0]), torch.tensor([[0.0, 4.0]])]
+    assert float(total_grad_norm(grads)) == pytest.approx(5.0)
+    assert float(total_grad_norm(grads, norm_type=1.0)) == pytest.approx(7.0)
+    assert float(total_grad_norm(grads, norm_type=math.inf)) == pytest.approx(4.0)
+
+
+def test_clip_by_norm_by_hand_and_like_torch():
+    grads = [torch.tensor([3.0, 0.0]), torch.tensor([[0.0, 4.0]])]
+    before = clip_grads_by_norm_(grads, max_norm=1.0)
+    assert float(before) == pytest.approx(5.0)
+    torch.testing.assert_close(grads[0], torch.tensor([0.6, 0.0]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(grads[1], torch.tensor([[0.0, 0.8]]), atol=1e-6, rtol=0)
+    small = [torch.tensor([0.3, 0.4])]
+    clip_grads_by_norm_(small, max_norm=1.0)  # under the limit: untouched (coefficient clamped to 1)
+    assert torch.equal(small[0], torch.tensor([0.3, 0.4]))
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(7, 5)), torch.nn.Parameter(torch.randn(5))]
+    for p in params:
+        p.grad = torch.randn_like(p) * 10
+    expected = [p.grad.clone() for p in params]
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for r, g in zip(reference, expected, strict=True):
+        r.grad = g
+    torch.nn.utils.clip_grad_norm_(reference, 2.0)
+    clip_grads_by_norm_([p.grad for p in params], 2.0)
+    for p, r in zip(params, reference, strict=True):
+        torch.testing.assert_close(p.grad, r.grad)
+
+
+def test_unitwise_norm_by_hand():
+    torch.testing.assert_close(unitwise_norm(torch.tensor([[3.0, 4.0], [6.0, 8.0]])), torch.tensor([[5.0], [10.0]]))
+    torch.testing.assert_close(unitwise_norm(torch.tensor([3.0, 4.0])), torch.tensor(5.0))
+    conv = torch.ones(2, 3, 2, 2)  # per output channel: sqrt(12)
+    torch.testing.assert_close(unitwise_norm(conv).flatten(), torch.full((2,), math.sqrt(12)))
+
+
+def test_adaptive_clipping_by_hand():
+    weight = torch.nn.Parameter(torch.tensor([[3.0, 4.0], [0.0, 0.0]]))
+    # unit 0: |w| = 5, limit 0.5; grad norm 1 -> halved. unit 1: |w| = 0 -> eps 1e-3, limit 1e-4; grad norm 2e-5 kept
+    weight.grad = torch.tensor([[0.6, 0.8], [0.0, 2e-5]])
+    bias = torch.nn.Parameter(torch.tensor([1.0, 0.0]))
+    bias.grad = torch.tensor([0.0, 1.0])  # |b| = 1, limit 0.1, grad norm 1 -> scaled to 0.1
+    adaptive_clip_grads_([weight, bias], clip_factor=0.1, eps=1e-3)
+    torch.testing.assert_close(weight.grad, torch.tensor([[0.3, 0.4], [0.0, 2e-5]]))
+    torch.testing.assert_close(bias.grad, torch.tensor([0.0, 0.1]))
+
+
+def test_norm_statistics_are_exact_then_exponential():
+    stats = GradNormStatistics(decay=0.5)
+    for value in (1.0, 3.0):
+        stats.update(torch.tensor(value))
+    assert float(stats.mean) == pytest.approx(2.0) and float(stats.var) == pytest.approx(1.0)
+    stats.update(torch.tensor(5.0))  # weight max(0.5, 1/3) = 0.5: mean 3.5, var 0.5 * (1 + 0.5 * 9) = 2.75
+    assert float(stats.mean) == pytest.approx(3.5) and float(stats.var) == pytest.approx(2.75)
+    stats.update(torch.tensor(float("nan")))  # ignored by the statistics
+    assert float(stats.mean) == pytest.approx(3.5) and stats.count == 4
+    restored = GradNormStatistics(decay=0.5)
+    restored.load_state_dict(stats.state_dict())
+    assert restored.count == 4 and float(restored.mean) == pytest.approx(3.5) and float(restored.var) == 2.75
+
+
+def test_zscore_clipping_by_hand():
+    stats = GradNormStatistics(decay=0.9)
+    for value in (1.0, 3.0):  # warm-up: statistics only, gradients untouched
+        grads = [torch.tensor([value])]
+        norm, threshold = zscore_clip_grads_(grads, stats, z_threshold=2.0, warmup_steps=2)
+        assert threshold is None and float(grads[0]) == value
+    # mean 2, std 1: threshold 4. A norm of 10 is scaled to 4, then recorded as 4 (not 10)
+    grads = [torch.tensor([6.0, 8.0])]
+    norm, threshold = zscore_clip_grads_(grads, stats, z_threshold=2.0, warmup_steps=2)
+    assert float(norm) == pytest.approx(10.0) and float(threshold) == pytest.approx(4.0)
+    torch.testing.assert_close(grads[0], torch.tensor([2.4, 3.2]), atol=1e-5, rtol=0)
+    assert float(stats.mean) == pytest.approx(2.0 + (1 / 3) * 2.0)  # weight max(0.1, 1/3) on the clipped 4
+    # a norm under the threshold is left alone
+    grads = [torch.tensor([1.0])]
+    zscore_clip_grads_(grads, stats, z_threshold=2.0, warmup_steps=2)
+    assert float(grads[0]) == 1.0
