@@ -2,20 +2,6 @@ import os
 
 import pytest
 
-LAUNCHER_VARIABLES = (
-    "LOCAL_RANK",
-    "RANK",
-    "WORLD_SIZE",
-    "NODE_RANK",
-    "GROUP_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID",
-    "PL_GLOBAL_SEED",
-    "PL_SEED_WORKERS",
-)
-
 
 @pytest.fixture(autouse=True)
 def _restore_environment():

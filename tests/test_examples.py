@@ -1,33 +1,26 @@
 """The README's example and a LightningCLI YAML config, run as a user runs them: real processes, no mocks."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import LAUNCHER_VARIABLES
 from tests.helpers.models import load_rank_dumps
+from tests.helpers.processes import run_script
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.distributed
 
 
 def run(args, tmp_path, timeout=150):
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    return subprocess.run(
-        [sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    return run_script(*args, timeout=timeout, cwd=tmp_path)
 
 
 def test_main_example_trains_on_two_cpu_processes(tmp_path):
     result = run([str(REPO / "examples" / "train.py"), "fit", "--trainer.max_epochs=1"], tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "strategy: MultiGPUStrategy (ddp); processes: 2" in result.stdout
-    assert "sync_batchnorm='auto' synchronises BatchNorm statistics across 2 processes" in result.stdout + result.stderr
+    assert result["rc"] == 0, result["output"][-3000:]
+    assert "strategy: MultiGPUStrategy (ddp); processes: 2" in result["output"]
+    assert "sync_batchnorm='auto' synchronises BatchNorm statistics across 2 processes" in result["output"]
 
 
 def test_yaml_config_with_multigpu_strategy_options_trains_two_steps_on_two_processes(tmp_path):
@@ -57,7 +50,7 @@ data:
 """
     )
     result = run([str(REPO / "examples" / "train.py"), "fit", "--config", str(config)], tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result["rc"] == 0, result["output"][-3000:]
 
     dumps = load_rank_dumps(tmp_path)
     assert [d["global_step"] for d in dumps] == [2, 2]

@@ -2,10 +2,10 @@
 
 import inspect
 import logging
-import threading
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -15,7 +15,7 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies import ParallelStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -176,12 +176,12 @@ class DataParallelStrategy(ParallelStrategy):
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        # the batch stays where it is: DataParallel scatters it, one chunk per GPU
+        # the batch stays where it is: DataParallel scatters it, one chunk per GPU. The loops have already run
+        # on_before_batch_transfer; on_after_batch_transfer goes through Lightning's dispatcher (DataModule too)
         module = self.lightning_module
         if module is None:
             return batch
-        batch = module.on_before_batch_transfer(batch, dataloader_idx)
-        return module.on_after_batch_transfer(batch, dataloader_idx)
+        return module._call_batch_hook("on_after_batch_transfer", batch, dataloader_idx)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -206,6 +206,9 @@ class DataParallelStrategy(ParallelStrategy):
     def _replicated_step(self, step_name: str, args: tuple, kwargs: dict) -> Any:
         assert self.model is not None and self.lightning_module is not None
         self._recorder.reset()
+        # torch's parallel_apply re-enters autocast in each thread without its dtype (bf16 would become fp16) and
+        # drops inference mode: the replicas restore both from here
+        self._recorder.thread_state = _ThreadState.capture(self.root_device.type)
         output = self.model(step_name, *args, **kwargs)
         for call in merge_log_calls(self._recorder.records(), self.root_device):
             self.lightning_module.log(call.name, call.value, **call.kwargs)
@@ -234,7 +237,8 @@ class DataParallelStrategy(ParallelStrategy):
     def teardown(self) -> None:
         if isinstance(self.model, _ReplicaDataParallel):
             self.model = self.lightning_module
-        super().teardown()
+        # one process: ParallelStrategy.teardown would insist on a cluster environment this strategy never has
+        Strategy.teardown(self)
         if self.root_device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -244,7 +248,7 @@ class _ReplicaRecorder:
 
     def __init__(self) -> None:
         self._records: dict[int, ReplicaRecord] = {}
-        self._lock = threading.Lock()
+        self.thread_state = _ThreadState()
 
     def reset(self) -> None:
         self._records = {}
@@ -259,16 +263,41 @@ class _ReplicaRecorder:
         return [record.batch_size for record in records]
 
     @contextmanager
-    def recording(self, replica: "pl.LightningModule", index: int, args: tuple) -> Iterator[None]:
-        record = ReplicaRecord(batch_size=_batch_size(args[0]) if args else 1)
-        with self._lock:
-            self._records[index] = record
+    def recording(self, replica: "pl.LightningModule", index: int, batch_size: int) -> Iterator[None]:
+        record = ReplicaRecord(batch_size=batch_size)
+        self._records[index] = record  # one key per replica thread: no lock needed
         # an instance attribute shadows LightningModule.log on this replica only; log_dict goes through it too
         replica.__dict__["log"] = partial(_record_log_call, record)
         try:
-            yield
+            with self.thread_state.restored():
+                yield
         finally:
             replica.__dict__.pop("log", None)
+
+
+@dataclass
+class _ThreadState:
+    """Thread-local torch state that a replica thread must share with the thread that scattered the batch."""
+
+    device_type: str = "cpu"
+    autocast: bool = False
+    autocast_dtype: torch.dtype | None = None
+    inference: bool = False
+
+    @classmethod
+    def capture(cls, device_type: str) -> "_ThreadState":
+        autocast = torch.is_autocast_enabled(device_type)
+        dtype = torch.get_autocast_dtype(device_type) if autocast else None
+        return cls(device_type, autocast, dtype, torch.is_inference_mode_enabled())
+
+    @contextmanager
+    def restored(self) -> Iterator[None]:
+        with torch.inference_mode(self.inference):
+            if self.autocast:
+                with torch.autocast(self.device_type, dtype=self.autocast_dtype):
+                    yield
+            else:
+                yield
 
 
 def _batch_size(batch: Any) -> int:
@@ -303,10 +332,23 @@ class _ReplicaStepModule(nn.Module):
         self.recorder = recorder
 
     @override
-    def forward(self, step_name: str, *args: Any, _replica_index: int = 0, **kwargs: Any) -> Any:
+    def forward(
+        self, step_name: str, *args: Any, _replica_index: int = 0, _replica_batch_size: int = 1, **kwargs: Any
+    ) -> Any:
         replica = self.module
-        with self.recorder.recording(replica, _replica_index, args):
+        _point_device_attributes_at_parameters(replica)
+        with self.recorder.recording(replica, _replica_index, _replica_batch_size):
             return getattr(replica, step_name)(*args, **kwargs)
+
+
+def _point_device_attributes_at_parameters(replica: nn.Module) -> None:
+    """A replica's ``__dict__`` is a copy of the original's: its ``self.device`` still names the first GPU."""
+    parameter = next(replica.parameters(), None)
+    if parameter is None:
+        return
+    for module in replica.modules():
+        if "_device" in module.__dict__ and module.__dict__["_device"] != parameter.device:
+            module.__dict__["_device"] = parameter.device
 
 
 class _ReplicaDataParallel(DataParallel):
@@ -315,7 +357,12 @@ class _ReplicaDataParallel(DataParallel):
     @override
     def scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, device_ids: Any) -> Any:
         scattered_inputs, scattered_kwargs = self._split(inputs, kwargs, device_ids)
-        return scattered_inputs, tuple(dict(kw, _replica_index=i) for i, kw in enumerate(scattered_kwargs))
+        # batch sizes are measured here, in the main thread: inputs are (step name, batch, ...)
+        sizes = [_batch_size(chunk[1]) if len(chunk) > 1 else 1 for chunk in scattered_inputs]
+        return scattered_inputs, tuple(
+            dict(kw, _replica_index=i, _replica_batch_size=size)
+            for i, (kw, size) in enumerate(zip(scattered_kwargs, sizes, strict=True))
+        )
 
     def _split(self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, device_ids: Any) -> Any:
         return super().scatter(inputs, kwargs, device_ids)

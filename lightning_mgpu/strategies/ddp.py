@@ -145,6 +145,12 @@ class DDPStrategy(LightningDDPStrategy):
                 self._sigterm_agreement.install(trainer)
 
     @override
+    def on_train_end(self) -> None:
+        if self._sigterm_agreement is not None:
+            self._sigterm_agreement.at_train_end()
+        super().on_train_end()
+
+    @override
     def teardown(self) -> None:
         if self._sigterm_agreement is not None:
             self._sigterm_agreement.uninstall()

@@ -11,9 +11,11 @@ round trip with no collective and no device synchronisation, and stops exactly a
 import contextlib
 import logging
 from types import FrameType
+from typing import Any
 
 import lightning
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
@@ -38,8 +40,11 @@ class SigtermAgreement:
 
     Args:
         store: a ``torch.distributed`` store shared by all ranks (a fresh prefix per fit).
-        margin: batches a rank may trail the publisher: ``accumulate_grad_batches``, at least 1.
+        margin: batches a rank may trail the publisher: ``accumulate_grad_batches``, at least 1; re-read from the
+            trainer at every batch once installed.
         interval: read the store every this many batches.
+        cuda: the model trains on CUDA: reads wait for the previous read's event and the stop moves one
+            interval later.
 
     Example::
 
@@ -50,10 +55,14 @@ class SigtermAgreement:
 
     _fits = 0  # per-process count of installed agreements: identical on all ranks, so it names a fresh prefix
 
-    def __init__(self, store: dist.Store, margin: int, interval: int = CHECK_INTERVAL) -> None:
+    def __init__(self, store: dist.Store, margin: int = 1, interval: int = CHECK_INTERVAL, cuda: bool = False) -> None:
         self.store = store
         self.margin = margin
         self.interval = interval
+        # on CUDA the host runs ahead of the device and DDP's all-reduce does not block it: before each read, wait
+        # for the event recorded at the previous read (long done), which restores what blocking gives on gloo
+        self.cuda = cuda
+        self._event: Any = None
         self.batch = 0
         self.signalled = False
         self.published = False
@@ -69,7 +78,7 @@ class SigtermAgreement:
             return None
         cls._fits += 1
         store = dist.PrefixStore(f"lightning_mgpu/sigterm/{cls._fits}/", dist.distributed_c10d._get_default_store())
-        return cls(store, margin=trainer.accumulate_grad_batches)
+        return cls(store, cuda=trainer.strategy.root_device.type == "cuda")
 
     def install(self, trainer: "pl.Trainer") -> None:
         """Take over the per-batch check and the SIGTERM notifier of this trainer instance only."""
@@ -100,15 +109,37 @@ class SigtermAgreement:
     def at_batch_boundary(self) -> None:
         """Called by the training loop before every batch; raises ``SIGTERMException`` at the agreed batch."""
         self.batch += 1
+        if self._trainer is not None:  # accumulation may change between epochs (GradientAccumulationScheduler)
+            self.margin = max(1, self._trainer.accumulate_grad_batches)
         if self.signalled and not self.published:
-            earliest = self.batch + self.margin
-            target = -(-earliest // self.interval) * self.interval  # the first read at or after `earliest`
-            # compare_set with expected "" inserts only if the key is absent: the first signalled rank wins
-            self.stop_batch = int(self.store.compare_set(_KEY, "", str(target)))
-            self.published = True
-        if self.stop_batch is None and self.batch % self.interval == 0 and self.store.check([_KEY]):
+            self._publish()
+        if self.stop_batch is None and self.batch % self.interval == 0 and self._read():
             self.stop_batch = int(self.store.get(_KEY))
         if self.stop_batch is not None and self.batch >= self.stop_batch:
+            self._stop()
+
+    def _publish(self) -> None:
+        earliest = self.batch + self.margin + (self.interval if self.cuda else 0)
+        target = -(-earliest // self.interval) * self.interval  # the first read at or after `earliest`
+        # compare_set with expected "" inserts only if the key is absent: the first signalled rank wins
+        self.stop_batch = int(self.store.compare_set(_KEY, "", str(target)))
+        self.published = True
+
+    def _read(self) -> bool:
+        if self.cuda:
+            if self._event is not None:
+                self._event.synchronize()
+            self._event = torch.cuda.Event()
+            self._event.record()
+        return self.store.check([_KEY])
+
+    def at_train_end(self) -> None:
+        """A signal too close to the end to reach a stop batch: all ranks meet once and leave together."""
+        if self.signalled and not self.published:
+            self.store.compare_set(_KEY, "", str(self.batch))
+        if dist.is_initialized():
+            dist.barrier()  # every rank has published what it had before anyone reads
+        if self.store.check([_KEY]):
             self._stop()
 
     def _stop(self) -> None:

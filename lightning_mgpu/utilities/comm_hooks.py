@@ -218,8 +218,10 @@ def _completed_future(buffer: Tensor) -> torch.futures.Future[Tensor]:
 def _layout(state: PowerSGDState, bucket: dist.GradBucket, buffer: Tensor) -> _BucketLayout:
     """The bucket's layout, re-planned (and its buffers reset) when the parameters' shapes change."""
     index = bucket.index()
-    shapes = tuple(tuple(p.shape) for p in bucket.parameters())
-    key = (shapes, buffer.numel(), buffer.dtype, buffer.device)
+    parameters = bucket.parameters()
+    shapes = tuple(tuple(p.shape) for p in parameters)
+    # identities too: after DDP rebuilds its buckets, equal shapes may belong to other parameters (repeated blocks)
+    key = (tuple(id(p) for p in parameters), shapes, buffer.numel(), buffer.dtype, buffer.device)
     layout = state.layouts.get(index)
     if layout is not None and layout.key == key:
         return layout
@@ -331,6 +333,8 @@ def _reduce_pending(state: PowerSGDState, group: Any, world_size: int) -> None:
             matrix_error = bucket.error.narrow(0, offset, rows * cols).view(rows, cols)  # type: ignore[union-attr]
             # in place, no n x m temporary: error = M - P Q^T, then M = P Q^T
             torch.addmm(matrix, p.to(matrix.dtype), q.t().to(matrix.dtype), alpha=-1, out=matrix_error)
+            # an overflowing step (fp16 AMP, which GradScaler then skips) must not live on in the error feedback
+            matrix_error.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
             torch.mm(p.to(matrix.dtype), q.t().to(matrix.dtype), out=matrix)
             # warm-start from the new Q, except for columns that vanished (an all-zero gradient): a zero Q would
             # make every later P zero and the layer would never be updated again; Q is reduced, so ranks agree

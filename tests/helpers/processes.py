@@ -3,7 +3,11 @@
 import io
 import os
 import queue as queue_module
+import signal
 import socket
+import subprocess
+import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -76,3 +80,47 @@ def run_processes(fn: Callable, world_size: int = 2, args: tuple = (), timeout: 
     if errors:
         raise RuntimeError("\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LAUNCHER_VARIABLES = (
+    "LOCAL_RANK",
+    "RANK",
+    "WORLD_SIZE",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "PL_GLOBAL_SEED",
+    "PL_SEED_WORKERS",
+)
+
+
+def run_script(script: str, *args: object, timeout: float = 90.0, cwd: str | None = None) -> dict:
+    """Run ``python script *args`` as a user would (Lightning re-runs it for the other ranks).
+
+    Returns ``rc``, ``hung``, ``seconds`` and the combined ``output``. A run still going after ``timeout`` seconds
+    is killed with its whole process group, the launched ranks included, so a hang fails instead of stalling.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    command = [sys.executable, str(script), *map(str, args)]
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        command, env=env, cwd=cwd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        hung = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        hung = True
+    return {
+        "rc": proc.returncode,
+        "hung": hung,
+        "seconds": time.monotonic() - start,
+        "output": output.decode(errors="replace"),
+    }

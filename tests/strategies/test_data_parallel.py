@@ -232,3 +232,88 @@ def test_batchnorm_and_transfer_hook_warnings(tmp_path):
     messages = " ".join(str(w.message) for w in record)
     assert "BatchNorm statistics are computed per replica" in messages
     assert "`transfer_batch_to_device` is not called" in messages
+
+
+def test_batch_hooks_run_once_and_datamodule_hooks_run(tmp_path):
+    calls = []
+
+    class Hooked(Regressor):
+        def on_before_batch_transfer(self, batch, dataloader_idx):
+            calls.append("module.before")
+            return batch
+
+        def on_after_batch_transfer(self, batch, dataloader_idx):
+            calls.append("module.after")
+            return batch
+
+    class Data(pl.LightningDataModule):
+        def train_dataloader(self):
+            return DataLoader(TensorDataset(*data()), batch_size=BATCH)
+
+        def on_after_batch_transfer(self, batch, dataloader_idx):
+            calls.append("datamodule.after")
+            return batch
+
+    runs = {}
+    for name, strategy in (("dp", CPUDataParallelStrategy()), ("single", "auto")):
+        calls.clear()
+        trainer = Trainer(
+            accelerator="cpu",
+            devices=1,
+            strategy=strategy,
+            max_steps=1,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            default_root_dir=tmp_path,
+        )
+        trainer.fit(Hooked(), datamodule=Data())
+        runs[name] = list(calls)
+    # the same hooks, once each, as any other strategy calls them (Lightning picks module or datamodule per hook)
+    assert runs["dp"] == runs["single"]
+    assert runs["dp"].count("module.before") == 1 and len(runs["dp"]) == 2
+
+
+def test_multigpu_turned_dataparallel_tears_down():
+    from lightning_mgpu import MultiGPUStrategy
+    from lightning_mgpu.strategies.choice import StrategyChoice
+
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=MultiGPUStrategy(mode="ddp"), logger=False)
+    trainer.strategy._become_other_strategy(StrategyChoice("dp", "as chosen in a notebook with CUDA initialised"))
+    assert isinstance(trainer.strategy, DataParallelStrategy)
+    trainer.strategy.teardown()  # ParallelStrategy.teardown would assert on the missing cluster environment
+
+
+def test_strategy_pickles_for_spawned_workers():
+    import pickle
+
+    assert isinstance(pickle.loads(pickle.dumps(DataParallelStrategy())), DataParallelStrategy)
+
+
+def test_replica_threads_get_autocast_dtype_and_inference_mode():
+    from lightning_mgpu.strategies.data_parallel import _ThreadState
+
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.inference_mode():
+        state = _ThreadState.capture("cpu")
+    seen = {}
+
+    def in_thread():
+        with state.restored():
+            seen["dtype"] = torch.get_autocast_dtype("cpu")
+            seen["autocast"] = torch.is_autocast_enabled("cpu")
+            seen["inference"] = torch.is_inference_mode_enabled()
+
+    thread = threading.Thread(target=in_thread)
+    thread.start()
+    thread.join()
+    assert seen == {"dtype": torch.bfloat16, "autocast": True, "inference": True}
+
+
+def test_replica_device_attributes_follow_their_parameters():
+    from lightning_mgpu.strategies.data_parallel import _point_device_attributes_at_parameters
+
+    replica = Regressor()
+    replica.__dict__["_device"] = torch.device("meta")  # what a copied __dict__ says on a second GPU
+    _point_device_attributes_at_parameters(replica)
+    assert replica.device == torch.device("cpu")

@@ -1,11 +1,7 @@
 """No per-step collective under our DDP, and a SIGTERM on any one rank stops all ranks at the same batch."""
 
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -15,35 +11,17 @@ from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_mgpu.strategies.preemption import SigtermAgreement
-from tests.conftest import LAUNCHER_VARIABLES
+from tests.helpers.processes import run_script
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "helpers" / "sigterm_fit.py"
 SIGTERM_BATCH = 8
 
 
-def run_script(tmp_path, strategy, *extra, timeout=90):
-    """Run the 2-process fit as a script; kill its whole process group if it outlives ``timeout``."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    command = [sys.executable, str(SCRIPT), "--strategy", strategy, "--out", str(tmp_path), *map(str, extra)]
-    start = time.monotonic()
-    proc = subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-        hung = False
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        hung = True
-    records = {int(p.stem[4:]): json.loads(p.read_text()) for p in Path(tmp_path).glob("rank*.json")}
-    return {
-        "rc": proc.returncode,
-        "hung": hung,
-        "seconds": time.monotonic() - start,
-        "records": records,
-        "output": output.decode(errors="replace"),
-    }
+def run_fit(tmp_path, strategy, *extra, timeout=90):
+    result = run_script(SCRIPT, "--strategy", strategy, "--out", tmp_path, *extra, timeout=timeout)
+    result["records"] = {int(p.stem[4:]): json.loads(p.read_text()) for p in Path(tmp_path).glob("rank*.json")}
+    return result
 
 
 class TestAgreementLogic:
@@ -103,6 +81,17 @@ class TestAgreementLogic:
                 agreement.at_batch_boundary()  # boundary 8: rank 1 reads the key and both stop
         assert [a.batch for a in ranks] == [8, 8]
 
+    def test_signal_too_late_for_a_stop_batch_stops_everyone_at_train_end(self):
+        store = dist.HashStore()
+        ranks = [SigtermAgreement(store, margin=1, interval=4) for _ in range(2)]
+        for _ in range(9):
+            for agreement in ranks:
+                agreement.at_batch_boundary()
+        ranks[1].on_sigterm(signal.SIGTERM, None)  # arrives in the last batch: no boundary left to publish at
+        for agreement in (ranks[1], ranks[0]):  # the barrier in at_train_end orders it like this across ranks
+            with pytest.raises(SIGTERMException):
+                agreement.at_train_end()
+
     def test_install_and_uninstall_touch_one_trainer_only(self):
         trainer, other = Trainer(logger=False), Trainer(logger=False)
         agreement = SigtermAgreement(dist.HashStore(), margin=2)
@@ -124,8 +113,8 @@ class TestAgreementLogic:
 
 @pytest.mark.distributed
 def test_no_python_collective_per_training_step(tmp_path):
-    ours = run_script(tmp_path / "ours", "mgpu", "--steps", 40, "--window", 10, 30)
-    stock = run_script(tmp_path / "stock", "stock", "--steps", 40, "--window", 10, 30)
+    ours = run_fit(tmp_path / "ours", "mgpu", "--steps", 40, "--window", 10, 30)
+    stock = run_fit(tmp_path / "stock", "stock", "--steps", 40, "--window", 10, 30)
     for result in (ours, stock):
         assert result["rc"] == 0 and set(result["records"]) == {0, 1}, result["output"][-3000:]
     for rank in (0, 1):
@@ -138,7 +127,7 @@ def test_no_python_collective_per_training_step(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.parametrize("signalled_rank", [0, 1])
 def test_sigterm_on_one_rank_stops_every_rank_at_the_same_batch(tmp_path, signalled_rank, record_property):
-    ours = run_script(
+    ours = run_fit(
         tmp_path, "mgpu", "--steps", 500, "--sigterm-rank", signalled_rank, "--sigterm-batch", SIGTERM_BATCH, timeout=90
     )
     assert not ours["hung"], ours["output"][-3000:]
@@ -156,7 +145,7 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_batch(tmp_path, signal
 @pytest.mark.distributed
 def test_stock_lightning_with_sigterm_on_rank_1_for_the_record(tmp_path, record_property):
     """Records what stock does where ours is tested above; the outcome is also printed with -s."""
-    stock = run_script(
+    stock = run_fit(
         tmp_path,
         "stock",
         "--steps",
@@ -180,3 +169,11 @@ def test_stock_lightning_with_sigterm_on_rank_1_for_the_record(tmp_path, record_
     # stock issues an unmatched broadcast from rank 1's signal handler: the ranks do not stop together cleanly
     clean = not stock["hung"] and all(rec["exception"] == "SIGTERMException" for rec in stock["records"].values())
     assert not clean, "stock Lightning now stops cleanly here: revisit lightning_mgpu.strategies.preemption"
+
+
+@pytest.mark.distributed
+def test_sigterm_in_the_last_batches_still_stops_every_rank(tmp_path):
+    ours = run_fit(tmp_path, "mgpu", "--steps", 12, "--sigterm-rank", 1, "--sigterm-batch", 10, timeout=90)
+    assert not ours["hung"], ours["output"][-3000:]
+    assert {r: rec["exception"] for r, rec in ours["records"].items()} == {0: "SIGTERMException", 1: "SIGTERMException"}
+    assert [rec["completed"] for rec in ours["records"].values()] == [12, 12]

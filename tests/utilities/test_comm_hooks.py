@@ -309,3 +309,24 @@ def test_register_comm_hook_error_lists_the_allowed_names():
 def test_register_comm_hook_needs_a_ddp_model():
     with pytest.raises(TypeError, match="model must be a DistributedDataParallel, got Linear"):
         register_comm_hook(nn.Linear(2, 2), "fp16")
+
+
+def _powersgd_after_a_nonfinite_step(rank: int, world_size: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 16, bias=False), nn.Linear(16, 4, bias=False)))
+    register_comm_hook(model, "powersgd", powersgd_rank=1, powersgd_warmup_steps=0)
+    finite = []
+    for step in range(4):
+        x = torch.randn(8, 16)
+        if step == 1:
+            x[0, 0] = float("inf")  # one overflowing step, as fp16 AMP produces and GradScaler skips
+        model.zero_grad()
+        model(x).sum().backward()
+        finite.append(all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()))
+    return {"finite": finite}
+
+
+@pytest.mark.distributed
+def test_powersgd_recovers_after_a_nonfinite_step():
+    for result in run_processes(_powersgd_after_a_nonfinite_step, WORLD_SIZE):
+        assert result["finite"] == [True, False, True, True]  # the overflow stays in its own step
