@@ -4,7 +4,7 @@ Importing the package registers the strategy names ``mgpu``, ``mgpu_ddp``, ``mgp
 ``mgpu_dp`` and the compression presets ``mgpu_ddp_fp16``, ``mgpu_ddp_bf16``, ``mgpu_ddp_powersgd`` with Lightning.
 """
 
-from lightning_mgpu.callbacks import GradientClipping
+from lightning_mgpu.callbacks import GradientClipping, NaNSkip, NonFiniteStepsError
 from lightning_mgpu.strategies import (
     DataParallelStrategy,
     DDPStrategy,
@@ -27,6 +27,8 @@ __all__ = [
     "DistributedBatchNorm",
     "GradientClipping",
     "MultiGPUStrategy",
+    "NaNSkip",
+    "NonFiniteStepsError",
     "SingleDeviceStrategy",
     "StrategyChoice",
     "__version__",

@@ -1,5 +1,6 @@
 """Callbacks, one per module, re-exported here."""
 
 from lightning_mgpu.callbacks.gradient_clipping import GradientClipping
+from lightning_mgpu.callbacks.nan_skip import NaNSkip, NonFiniteStepsError
 
-__all__ = ["GradientClipping"]
+__all__ = ["GradientClipping", "NaNSkip", "NonFiniteStepsError"]

@@ -57,7 +57,8 @@ class GradientClipping(Callback):
     Logged keys, every step (``on_step=True``), unitless norms:
 
     - ``grad_norm``: total ``norm_type``-norm of the gradients before clipping.
-    - ``grad_norm_threshold`` (``zscore`` only, after warm-up): the norm the gradients were clipped to at most.
+    - ``grad_norm_threshold`` (``zscore`` only): the norm the gradients were clipped to at most; ``inf`` during
+      warm-up.
 
     Args:
         mode: ``"norm"``, ``"value"``, ``"agc"`` or ``"zscore"``.
@@ -171,7 +172,7 @@ class GradientClipping(Callback):
         norm, threshold = self._clip(params)
         if self.log_norm:
             pl_module.log("grad_norm", norm, on_step=True, on_epoch=False)
-            if threshold is not None:
+            if threshold is not None:  # inf during warm-up: deciding that on the host would need a device read
                 pl_module.log("grad_norm_threshold", threshold, on_step=True, on_epoch=False)
 
     def _clip(self, params: list[Tensor]) -> tuple[Tensor, Tensor | None]:

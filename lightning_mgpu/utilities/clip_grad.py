@@ -4,6 +4,7 @@ Every function takes gradients (or parameters with gradients) and changes them i
 value on the host, so on CUDA a step costs a few kernels and no ``cudaStreamSynchronize``.
 """
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -116,8 +117,9 @@ class GradNormStatistics:
     """Running mean and variance of the total gradient norm, kept on the device, for z-score clipping.
 
     The weight of a new observation is ``max(1 - decay, 1 / n)`` for the n-th: an exact average while few
-    norms have been seen, an exponential moving average afterwards. Non-finite norms leave the statistics as they
-    are. The step counter lives on the host, so deciding whether warm-up is over needs no synchronisation.
+    norms have been seen, an exponential moving average afterwards. A non-finite norm changes nothing, not even the
+    count, so a step that another callback skips for NaN leaves no trace, whatever the callbacks' order. Count,
+    mean and variance all live on the device: nothing here reads a value on the host.
 
     Args:
         decay: weight of the past in the moving average, in (0, 1).
@@ -133,55 +135,59 @@ class GradNormStatistics:
 
     def __init__(self, decay: float = 0.97) -> None:
         self.decay = decay
-        self.count = 0
+        self.count = torch.zeros((), dtype=torch.long)
         self.mean = torch.zeros(())
         self.var = torch.zeros(())
 
-    def update(self, norm: Tensor) -> None:
-        """Fold one observed norm into the statistics."""
-        if self.mean.device != norm.device:
-            self.mean, self.var = self.mean.to(norm.device), self.var.to(norm.device)
-        self.count += 1
-        weight = max(1.0 - self.decay, 1.0 / self.count)
-        norm = norm.float()
-        delta = norm - self.mean
-        mean = self.mean + weight * delta
-        var = (1.0 - weight) * (self.var + weight * delta * delta)
-        finite = torch.isfinite(norm)
-        self.mean = torch.where(finite, mean, self.mean)
-        self.var = torch.where(finite, var, self.var)
+    def _to(self, device: torch.device) -> None:
+        if self.mean.device != device:
+            self.count, self.mean, self.var = self.count.to(device), self.mean.to(device), self.var.to(device)
 
-    def threshold(self, z_threshold: float) -> Tensor:
-        """``mean + z_threshold * std``."""
-        return self.mean + z_threshold * self.var.sqrt()
+    def update(self, norm: Tensor) -> None:
+        """Fold one observed norm into the statistics; a NaN or Inf is ignored."""
+        self._to(norm.device)
+        norm = norm.float()
+        finite = torch.isfinite(norm)
+        count = self.count + finite.long()
+        weight = torch.clamp(1.0 / count.clamp(min=1).float(), min=1.0 - self.decay)
+        delta = torch.where(finite, norm - self.mean, 0.0)
+        self.mean = torch.where(finite, self.mean + weight * delta, self.mean)
+        self.var = torch.where(finite, (1.0 - weight) * (self.var + weight * delta * delta), self.var)
+        self.count = count
+
+    def threshold(self, z_threshold: float, warmup_steps: int) -> Tensor:
+        """``mean + z_threshold * std``, or ``inf`` while fewer than ``warmup_steps`` norms have been seen."""
+        return torch.where(self.count >= warmup_steps, self.mean + z_threshold * self.var.sqrt(), math.inf)
 
     def state_dict(self) -> dict[str, float | int]:
         """Plain numbers for a checkpoint (reads the device once, at checkpoint time)."""
-        return {"count": self.count, "mean": float(self.mean), "var": float(self.var)}
+        return {"count": int(self.count), "mean": float(self.mean), "var": float(self.var)}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore from :meth:`state_dict`; missing keys keep their current values."""
-        self.count = int(state.get("count", self.count))
-        self.mean = torch.tensor(float(state.get("mean", self.mean)), device=self.mean.device)
-        self.var = torch.tensor(float(state.get("var", self.var)), device=self.var.device)
+        device = self.mean.device
+        self.count = torch.tensor(int(state.get("count", self.count)), dtype=torch.long, device=device)
+        self.mean = torch.tensor(float(state.get("mean", self.mean)), device=device)
+        self.var = torch.tensor(float(state.get("var", self.var)), device=device)
 
 
 def zscore_clip_grads_(
     grads: Sequence[Tensor], stats: GradNormStatistics, z_threshold: float, warmup_steps: int, norm_type: float = 2.0
-) -> tuple[Tensor, Tensor | None]:
+) -> tuple[Tensor, Tensor]:
     """Clip ``grads`` to ``mean + z * std`` of recent total norms once ``warmup_steps`` norms have been seen.
 
-    The statistics are then updated with the norm after clipping, so that one spike does not inflate them.
+    The statistics are then updated with the norm after clipping, so that one spike does not inflate them. Whether
+    warm-up is over is decided on the device too.
 
     Args:
         grads: the gradients.
         stats: the running statistics, updated in place.
         z_threshold: how many standard deviations above the mean a norm may be before it is clipped.
-        warmup_steps: steps that only gather statistics.
+        warmup_steps: finite norms to gather before clipping starts.
         norm_type: the p of the p-norm.
 
     Returns:
-        The total norm before clipping, and the threshold applied (``None`` during warm-up).
+        The total norm before clipping, and the threshold applied (``inf`` during warm-up).
 
     Example::
 
@@ -189,13 +195,12 @@ def zscore_clip_grads_(
         norm, threshold = zscore_clip_grads_(grads, stats, z_threshold=2.5, warmup_steps=25)
     """
     norm = total_grad_norm(grads, norm_type)
-    if stats.count < warmup_steps:
-        stats.update(norm)
-        return norm, None
-    threshold = stats.threshold(z_threshold).to(norm.device)
+    stats._to(norm.device)
+    threshold = stats.threshold(z_threshold, warmup_steps)
     coefficient = torch.where(
         torch.isfinite(norm), torch.clamp(threshold / (norm + 1e-6), max=1.0), torch.ones_like(norm)
     )
     scale_grads_(grads, coefficient)
-    stats.update(torch.minimum(norm, threshold))
+    # a non-finite norm must stay non-finite here, or min(inf, threshold) would enter the statistics
+    stats.update(torch.where(torch.isfinite(norm), torch.minimum(norm, threshold), norm))
     return norm, threshold

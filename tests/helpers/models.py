@@ -37,11 +37,23 @@ class BatchNormClassifier(pl.LightningModule):
     ``rank_slices(per_rank_batch, steps)[r][s]``, so a single process can rebuild every global batch.
     """
 
-    def __init__(self, per_rank_batch: tuple[int, ...] = (8, 8), steps: int = 4, lr: float = 0.1) -> None:
+    def __init__(
+        self,
+        per_rank_batch: tuple[int, ...] = (8, 8),
+        steps: int = 4,
+        lr: float = 0.1,
+        optimizer: str = "sgd",
+        inject: tuple[str, int, int] | None = None,
+        drop_step: int | None = None,
+    ) -> None:
         super().__init__()
         self.per_rank_batch = tuple(per_rank_batch)
         self.steps = steps
         self.lr = lr
+        self.optimizer_name = optimizer
+        self.inject = inject  # (kind, rank, batch_idx): "loss_nan" adds NaN to the loss, "grad_inf" an Inf to a grad
+        self.drop_step = drop_step  # reference runs: this step's batch is left out of the data stream
+        self._grad_hook = None
         torch.manual_seed(7)
         self.net = nn.Sequential(
             nn.Linear(IN_FEATURES, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, CLASSES)
@@ -50,19 +62,51 @@ class BatchNormClassifier(pl.LightningModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
+    def _injecting(self, kind: str, batch_idx: int) -> bool:
+        if self.inject is None:
+            return False
+        inject_kind, rank, step = self.inject
+        return (
+            inject_kind == kind and self.global_rank == rank and (batch_idx == step or (step == -1 and batch_idx >= 1))
+        )
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._injecting("grad_inf", batch_idx):
+            # before DDP's all-reduce: this rank's local gradient of one weight gets an Inf
+            def add_inf(grad: torch.Tensor) -> torch.Tensor:
+                grad = grad.clone()
+                grad.view(-1)[0] = float("inf")
+                return grad
+
+            self._grad_hook = self.net[3].weight.register_hook(add_inf)
+
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = nn.functional.cross_entropy(self(x), y)
+        if self._injecting("loss_nan", batch_idx):
+            loss = loss + float("nan")  # the gradients stay finite: only the loss says something is wrong
         self.log("train_loss", loss)
         return loss
 
+    def on_after_backward(self) -> None:
+        if self._grad_hook is not None:
+            self._grad_hook.remove()
+            self._grad_hook = None
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
+        if self.optimizer_name == "adam_fused":
+            return torch.optim.Adam(self.parameters(), lr=self.lr, fused=True)
+        if self.optimizer_name == "adam":
+            return torch.optim.Adam(self.parameters(), lr=self.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
     def train_dataloader(self) -> DataLoader:
         rank = self.global_rank if self._trainer is not None else 0
         x, y = global_data(sum(self.per_rank_batch) * self.steps)
-        indices = [i for start, stop in rank_slices(self.per_rank_batch, self.steps)[rank] for i in range(start, stop)]
+        slices = [
+            sl for step, sl in enumerate(rank_slices(self.per_rank_batch, self.steps)[rank]) if step != self.drop_step
+        ]
+        indices = [i for start, stop in slices for i in range(start, stop)]
         dataset = TensorDataset(x[indices], y[indices])
         return DataLoader(dataset, batch_size=self.per_rank_batch[rank], shuffle=False)
 
@@ -78,6 +122,7 @@ class RankStateDump(pl.Callback):
 
     def __init__(self, directory: str | Path) -> None:
         self.directory = str(directory)
+        Path(directory).mkdir(parents=True, exist_ok=True)
         self.first_grads: dict[str, torch.Tensor] = {}
         self.layer_classes: list[str] = []
 
@@ -97,6 +142,11 @@ class RankStateDump(pl.Callback):
             "first_grads": self.first_grads,
             "layer_classes_during_fit": self.layer_classes,
             "global_step": trainer.global_step,
+            "optimizer_state": {
+                key: {name: v.clone() for name, v in state.items() if isinstance(v, torch.Tensor)}
+                for key, state in trainer.optimizers[0].state_dict()["state"].items()
+            },
+            "skipped_steps": next((c.skipped_steps for c in trainer.callbacks if hasattr(c, "skipped_steps")), None),
         }
         torch.save(state, Path(self.directory) / f"rank{trainer.global_rank}.pt")
 

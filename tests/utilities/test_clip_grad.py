@@ -69,11 +69,11 @@ def test_norm_statistics_are_exact_then_exponential():
     assert float(stats.mean) == pytest.approx(2.0) and float(stats.var) == pytest.approx(1.0)
     stats.update(torch.tensor(5.0))  # weight max(0.5, 1/3) = 0.5: mean 3.5, var 0.5 * (1 + 0.5 * 9) = 2.75
     assert float(stats.mean) == pytest.approx(3.5) and float(stats.var) == pytest.approx(2.75)
-    stats.update(torch.tensor(float("nan")))  # ignored by the statistics
-    assert float(stats.mean) == pytest.approx(3.5) and stats.count == 4
+    stats.update(torch.tensor(float("nan")))  # ignored by the statistics, the count included
+    assert float(stats.mean) == pytest.approx(3.5) and int(stats.count) == 3
     restored = GradNormStatistics(decay=0.5)
     restored.load_state_dict(stats.state_dict())
-    assert restored.count == 4 and float(restored.mean) == pytest.approx(3.5) and float(restored.var) == 2.75
+    assert int(restored.count) == 3 and float(restored.mean) == pytest.approx(3.5) and float(restored.var) == 2.75
 
 
 def test_zscore_clipping_by_hand():
@@ -81,13 +81,17 @@ def test_zscore_clipping_by_hand():
     for value in (1.0, 3.0):  # warm-up: statistics only, gradients untouched
         grads = [torch.tensor([value])]
         norm, threshold = zscore_clip_grads_(grads, stats, z_threshold=2.0, warmup_steps=2)
-        assert threshold is None and float(grads[0]) == value
+        assert float(threshold) == float("inf") and float(grads[0]) == value
     # mean 2, std 1: threshold 4. A norm of 10 is scaled to 4, then recorded as 4 (not 10)
     grads = [torch.tensor([6.0, 8.0])]
     norm, threshold = zscore_clip_grads_(grads, stats, z_threshold=2.0, warmup_steps=2)
     assert float(norm) == pytest.approx(10.0) and float(threshold) == pytest.approx(4.0)
     torch.testing.assert_close(grads[0], torch.tensor([2.4, 3.2]), atol=1e-5, rtol=0)
     assert float(stats.mean) == pytest.approx(2.0 + (1 / 3) * 2.0)  # weight max(0.1, 1/3) on the clipped 4
+    # a non-finite norm is not clipped (NaNSkip's business) and leaves the statistics alone
+    count = int(stats.count)
+    zscore_clip_grads_([torch.tensor([float("inf")])], stats, z_threshold=2.0, warmup_steps=2)
+    assert int(stats.count) == count
     # a norm under the threshold is left alone
     grads = [torch.tensor([1.0])]
     zscore_clip_grads_(grads, stats, z_threshold=2.0, warmup_steps=2)

@@ -1,0 +1,253 @@
+"""Skip optimizer steps whose loss or gradients are NaN or Inf, the same way on every rank."""
+
+import math
+from typing import Any, Literal, get_args
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+CheckTarget = Literal["loss", "grads", "both"]
+CHECK_TARGETS: tuple[str, ...] = get_args(CheckTarget)
+
+
+class NonFiniteStepsError(RuntimeError):
+    """Raised by :class:`NaNSkip` when ``max_consecutive`` optimizer steps in a row were not finite."""
+
+
+class NaNSkip(Callback):
+    """Skip every optimizer step whose loss or gradients are not finite, on every rank, and keep training.
+
+    A skipped step leaves parameters, optimizer state (moments, step counters) and BatchNorm running statistics
+    exactly as they were before the step; its gradients are discarded. With gradient accumulation the whole
+    accumulated step is skipped.
+
+    Every rank takes the same decision without an extra collective: a non-finite gradient on any rank is
+    non-finite on all of them after DDP's gradient all-reduce, and a rank whose loss is not finite turns its
+    backward pass into NaN (a hook on the loss), so its state reaches the others through that same all-reduce.
+    Under several processes ``check="loss"`` therefore also skips steps with non-finite reduced gradients.
+
+    How the step is skipped:
+
+    - fused torch optimizers (``Adam``/``AdamW``/``SGD`` with ``fused=True``, CPU or CUDA): on the device,
+      through the ``found_inf`` argument their kernels take (as ``GradScaler`` does): no host synchronisation.
+    - any other optimizer: the flag is read on the host once per optimizer step (on CUDA, one synchronisation per
+      optimizer step) and every gradient is set to ``None``, which torch's optimizers skip exactly.
+    - ``precision="16-mixed"``: ``GradScaler`` already skips steps with inf/NaN gradients; they are counted.
+      Its first steps may overflow while it calibrates the loss scale: leave ``max_consecutive`` large enough.
+    - manual optimization: the optimizer step the ``training_step`` calls is skipped as above; what the step does
+      around it (schedulers, extra backward calls) is the user's.
+
+    Logged key, every optimizer step: ``skipped_steps`` (count, total since the start of training). A summary is
+    printed on rank 0 at the end of ``fit``. The counters are saved in checkpoints.
+
+    Args:
+        check: ``"loss"``, ``"grads"`` or ``"both"``.
+        max_consecutive: after this many skipped steps in a row raise :class:`NonFiniteStepsError` on every rank,
+            naming the step and the first non-finite tensor; ``None`` for no limit.
+        log_skipped: log ``skipped_steps``.
+
+    Raises:
+        ValueError: an unknown ``check`` or a ``max_consecutive`` that is not a positive int or None.
+        NonFiniteStepsError: during ``fit``, see ``max_consecutive``.
+
+    Example::
+
+        trainer = Trainer(callbacks=[NaNSkip(check="both", max_consecutive=25)])
+    """
+
+    def __init__(self, check: CheckTarget = "both", max_consecutive: int | None = 25, log_skipped: bool = True):
+        owner = type(self).__name__
+        if check not in CHECK_TARGETS:
+            raise ValueError(f"{owner}: check must be one of {', '.join(map(repr, CHECK_TARGETS))}, got {check!r}")
+        if max_consecutive is not None and (
+            isinstance(max_consecutive, bool) or not isinstance(max_consecutive, int) or max_consecutive < 1
+        ):
+            raise ValueError(
+                f"{owner}: max_consecutive must be a positive int, got {max_consecutive!r}; use None for no limit"
+            )
+        self.check = check
+        self.max_consecutive = max_consecutive
+        self.log_skipped = log_skipped
+        self.optimizer_steps = 0
+        self._skipped = torch.zeros((), dtype=torch.long)
+        self._consecutive = torch.zeros((), dtype=torch.long)
+        self._first_bad = torch.full((), -2, dtype=torch.long)  # -1: the loss; i >= 0: the i-th gradient
+        self._loss_bad: Tensor | None = None
+        self._buffers: list[Tensor] = []
+        self._snapshot: list[Tensor] | None = None
+        self._names: dict[int, str] = {}
+        self._distributed = False
+        self._hooks: list[Any] = []
+        self._lagged = _LaggedRead()
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped so far (reads the device)."""
+        return int(self._skipped)
+
+    @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self._distributed = trainer.world_size > 1
+        self._names = {id(p): name for name, p in pl_module.named_parameters()}
+
+    @override
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        device = pl_module.device
+        self._skipped = self._skipped.to(device)
+        self._consecutive = self._consecutive.to(device)
+        self._first_bad = self._first_bad.to(device)
+        # the running statistics a bad forward pass may already have changed; sync-BN layers are BatchNorms too
+        self._buffers = [
+            buffer
+            for module in pl_module.modules()
+            if isinstance(module, nn.modules.batchnorm._BatchNorm)
+            for buffer in module.buffers()
+        ]
+        self._snapshot = None
+        for optimizer in trainer.optimizers:
+            # found_inf is an argument of one step only, as GradScaler hands it over
+            self._hooks.append(optimizer.register_step_post_hook(lambda opt, *_: opt.__dict__.pop("found_inf", None)))
+
+    @override
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int):
+        if self._snapshot is None:  # the first micro-batch of an optimizer step
+            self._snapshot = [buffer.detach().clone() for buffer in self._buffers]
+            self._loss_bad = torch.zeros((), dtype=torch.bool, device=pl_module.device)
+
+    @override
+    def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
+        if self.check == "grads":
+            return
+        finite = torch.isfinite(loss.detach()).all()
+        self._loss_bad = ~finite if self._loss_bad is None else self._loss_bad | ~finite
+        if self._distributed and loss.requires_grad:
+            poison = torch.where(finite, 1.0, math.nan)
+            loss.register_hook(lambda grad: grad * poison.to(grad.dtype))
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Optimizer
+    ) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        bad, first = self._flag(params)
+        self._count(bad, first)
+        self.optimizer_steps += 1
+        on_device = _skips_on_device(optimizer, trainer)
+        if on_device:
+            optimizer.found_inf = bad.float()  # the fused kernels leave everything as it was where this is 1
+            self._restore_buffers(bad)
+        elif bool(bad):  # one host read per optimizer step for optimizers that cannot skip on the device
+            for param in params:
+                param.grad = None
+            self._restore_buffers(None)
+        self._snapshot = None
+        self._loss_bad = None
+        if self.log_skipped:
+            pl_module.log("skipped_steps", self._skipped.float(), on_step=True, on_epoch=False)
+        if self.max_consecutive is not None:
+            lagged = on_device and self._consecutive.is_cuda
+            self._raise_if_too_many(trainer, params, self._lagged.read(self._consecutive) if lagged else None)
+
+    def _flag(self, params: list[Tensor]) -> tuple[Tensor, Tensor]:
+        device = self._skipped.device
+        bad = torch.zeros((), dtype=torch.bool, device=device)
+        first = torch.full((), -2, dtype=torch.long, device=device)
+        check_grads = self.check != "loss" or self._distributed  # other ranks' losses arrive in the gradients
+        if check_grads and params:
+            # max |g| per gradient: inf or NaN exactly when an element is, and it cannot overflow like a 2-norm
+            norms = torch.stack([n.float() for n in torch._foreach_norm([p.grad for p in params], math.inf)])
+            grad_bad = ~torch.isfinite(norms.to(device))
+            bad = grad_bad.any()
+            first = torch.where(bad, grad_bad.int().argmax(), first)
+        if self.check != "grads" and self._loss_bad is not None:
+            loss_bad = self._loss_bad.to(device)
+            first = torch.where(loss_bad, -1, first)
+            bad = bad | loss_bad
+        return bad, first
+
+    def _count(self, bad: Tensor, first: Tensor) -> None:
+        self._skipped = self._skipped + bad.long()
+        self._consecutive = torch.where(bad, self._consecutive + 1, 0)
+        self._first_bad = torch.where(bad, first, self._first_bad)
+
+    def _restore_buffers(self, bad: Tensor | None) -> None:
+        if not self._snapshot:
+            return
+        for buffer, saved in zip(self._buffers, self._snapshot, strict=True):
+            buffer.copy_(saved if bad is None else torch.where(bad, saved, buffer))
+
+    def _raise_if_too_many(self, trainer: "pl.Trainer", params: list[Tensor], lagged: int | None) -> None:
+        # every rank reads the same step's value at the same step, so all raise together
+        consecutive = int(self._consecutive) if lagged is None else lagged
+        if self.max_consecutive is None or consecutive < self.max_consecutive:
+            return
+        first = int(self._first_bad)
+        culprit = "the loss" if first == -1 else f"the gradient of {self._names.get(id(params[first]), '?')!r}"
+        raise NonFiniteStepsError(
+            f"{type(self).__name__}: {consecutive} optimizer steps in a row had NaN or Inf values "
+            f"(max_consecutive={self.max_consecutive}); the last at global step {trainer.global_step}, where "
+            f"the first non-finite tensor was {culprit}."
+        )
+
+    @override
+    def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        rank_zero_info(
+            f"{type(self).__name__}: skipped {self.skipped_steps} of {self.optimizer_steps} optimizer steps "
+            "for NaN or Inf values."
+        )
+
+    @override
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "skipped_steps": int(self._skipped),
+            "consecutive": int(self._consecutive),
+            "optimizer_steps": self.optimizer_steps,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._skipped = torch.tensor(int(state_dict.get("skipped_steps", 0)), device=self._skipped.device)
+        self._consecutive = torch.tensor(int(state_dict.get("consecutive", 0)), device=self._consecutive.device)
+        self.optimizer_steps = int(state_dict.get("optimizer_steps", 0))
+
+
+def _skips_on_device(optimizer: Optimizer, trainer: "pl.Trainer") -> bool:
+    """Whether the optimizer's own kernels can skip on a device flag, with no GradScaler handling that already."""
+    fused = bool(getattr(optimizer, "defaults", {}).get("fused")) and getattr(
+        optimizer, "_step_supports_amp_scaling", False
+    )
+    return fused and getattr(trainer.precision_plugin, "scaler", None) is None
+
+
+class _LaggedRead:
+    """Reads a CUDA scalar one step late: a non-blocking copy to pinned memory now, read at the next call.
+
+    Waiting on the event of the previous step's copy costs nothing in practice (that work finished long ago) and
+    never stalls the current step's kernels.
+    """
+
+    def __init__(self) -> None:
+        self._host: Tensor | None = None
+        self._event: Any = None
+
+    def read(self, value: Tensor) -> int:
+        previous = 0
+        if self._event is not None and self._host is not None:
+            self._event.synchronize()
+            previous = int(self._host)
+        self._host = torch.empty((), dtype=value.dtype, pin_memory=True)
+        self._host.copy_(value, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+        return previous

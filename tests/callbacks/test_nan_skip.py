@@ -1,0 +1,208 @@
+"""NaNSkip with faults injected for real, against reference runs in which the bad step's batch never happened."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+
+from lightning_mgpu import GradientClipping, MultiGPUStrategy, NaNSkip, NonFiniteStepsError
+from tests.helpers.models import BatchNormClassifier, RankStateDump, load_rank_dumps
+from tests.helpers.processes import run_script
+
+BAD_STEP = 2
+STEPS = 5
+QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
+
+
+def fit_one(model, tmp_path, callbacks=(), steps=STEPS, **kwargs):
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        callbacks=[*callbacks, RankStateDump(tmp_path)],
+        **QUIET,
+        **kwargs,
+    )
+    trainer.fit(model)
+    return load_rank_dumps(tmp_path, world_size=1)[0], trainer
+
+
+def assert_same_training_state(ours, reference, atol=1e-6):
+    for key in ("params", "buffers"):
+        for name, value in reference[key].items():
+            torch.testing.assert_close(ours[key][name], value, atol=atol, rtol=0, msg=f"{key} {name}")
+    for index, state in reference["optimizer_state"].items():
+        for name, value in state.items():
+            torch.testing.assert_close(
+                ours["optimizer_state"][index][name], value, atol=atol, rtol=0, msg=f"optimizer state {index}.{name}"
+            )
+
+
+@pytest.mark.parametrize("check", ["both", "loss"])
+def test_nan_loss_step_is_skipped_exactly(tmp_path, check):
+    ours, _ = fit_one(
+        BatchNormClassifier((8,), steps=STEPS, inject=("loss_nan", 0, BAD_STEP)),
+        tmp_path / "ours",
+        callbacks=[NaNSkip(check=check)],
+    )
+    reference, _ = fit_one(
+        BatchNormClassifier((8,), steps=STEPS, drop_step=BAD_STEP), tmp_path / "ref", steps=STEPS - 1
+    )
+    assert ours["skipped_steps"] == 1
+    assert_same_training_state(ours, reference)
+
+
+def test_without_the_callback_the_nan_poisons_the_weights(tmp_path):
+    poisoned, _ = fit_one(BatchNormClassifier((8,), steps=STEPS, inject=("grad_inf", 0, BAD_STEP)), tmp_path)
+    assert not all(torch.isfinite(p).all() for p in poisoned["params"].values())
+
+
+def test_fused_adam_skips_on_the_device_and_keeps_its_step_counter(tmp_path):
+    ours, trainer = fit_one(
+        BatchNormClassifier((8,), steps=STEPS, lr=0.01, optimizer="adam_fused", inject=("grad_inf", 0, BAD_STEP)),
+        tmp_path / "ours",
+        callbacks=[NaNSkip()],
+    )
+    reference, _ = fit_one(
+        BatchNormClassifier((8,), steps=STEPS, lr=0.01, optimizer="adam_fused", drop_step=BAD_STEP),
+        tmp_path / "ref",
+        steps=STEPS - 1,
+    )
+    assert ours["skipped_steps"] == 1
+    assert float(ours["optimizer_state"][0]["step"]) == STEPS - 1  # fused kernel undid its step increment
+    assert_same_training_state(ours, reference)
+    assert "found_inf" not in trainer.optimizers[0].__dict__  # one step's argument only
+
+
+def test_accumulation_skips_the_whole_accumulated_step(tmp_path):
+    # 4 optimizer steps of 2 micro-batches; a NaN in micro-batch 2 (the first of step 1) skips micro-batches 2 and 3
+    model = BatchNormClassifier((8,), steps=8, inject=("loss_nan", 0, 2))
+    ours, _ = fit_one(model, tmp_path / "ours", callbacks=[NaNSkip()], steps=4, accumulate_grad_batches=2)
+
+    class DropBoth(BatchNormClassifier):
+        def train_dataloader(self):
+            loader = super().train_dataloader()
+            keep = [i for i in range(len(loader.dataset)) if i // 8 not in (2, 3)]
+            return torch.utils.data.DataLoader(torch.utils.data.Subset(loader.dataset, keep), batch_size=8)
+
+    reference, _ = fit_one(DropBoth((8,), steps=8), tmp_path / "ref", steps=3, accumulate_grad_batches=2)
+    assert ours["skipped_steps"] == 1
+    assert_same_training_state(ours, reference)
+
+
+def test_counters_resume_from_a_checkpoint(tmp_path):
+    skip = NaNSkip()
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=STEPS,
+        default_root_dir=tmp_path,
+        callbacks=[skip],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(BatchNormClassifier((8,), steps=STEPS + 2, inject=("loss_nan", 0, BAD_STEP)))
+    assert skip.skipped_steps == 1 and trainer.callback_metrics["skipped_steps"] == 1
+    path = tmp_path / "nan.ckpt"
+    trainer.save_checkpoint(path)
+    resumed = NaNSkip()
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=STEPS + 2, callbacks=[resumed], **QUIET)
+    trainer.fit(BatchNormClassifier((8,), steps=STEPS + 2, inject=("loss_nan", 0, STEPS)), ckpt_path=path)
+    assert resumed.skipped_steps == 2  # 1 restored + 1 after resuming
+    assert resumed.optimizer_steps == STEPS + 2
+
+
+@pytest.mark.parametrize("order", ["skip_first", "clip_first"])
+def test_same_result_in_either_order_with_gradient_clipping(tmp_path, order):
+    # z = 0.5 after 1 step of warm-up: most later steps are clipped, so the statistics shape the weights
+    def zscore():
+        return GradientClipping(mode="zscore", warmup_steps=1, z_threshold=0.5)
+
+    clip = zscore()
+    callbacks = [NaNSkip(), clip] if order == "skip_first" else [clip, NaNSkip()]
+    ours, _ = fit_one(
+        BatchNormClassifier((8,), steps=STEPS, inject=("grad_inf", 0, BAD_STEP)), tmp_path / order, callbacks=callbacks
+    )
+    reference_clip = zscore()
+    reference, _ = fit_one(
+        BatchNormClassifier((8,), steps=STEPS, drop_step=BAD_STEP),
+        tmp_path / "ref",
+        steps=STEPS - 1,
+        callbacks=[reference_clip],
+    )
+    assert ours["skipped_steps"] == 1
+    assert_same_training_state(ours, reference)
+    assert clip.statistics.state_dict() == pytest.approx(reference_clip.statistics.state_dict())
+    unclipped, _ = fit_one(
+        BatchNormClassifier((8,), steps=STEPS, drop_step=BAD_STEP), tmp_path / "plain", steps=STEPS - 1
+    )
+    assert not torch.allclose(unclipped["params"]["net.0.weight"], reference["params"]["net.0.weight"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"check": "weights"}, r"check must be one of 'loss', 'grads', 'both', got 'weights'"),
+        ({"max_consecutive": 0}, r"max_consecutive must be a positive int, got 0; use None for no limit"),
+        ({"max_consecutive": 2.5}, r"max_consecutive must be a positive int, got 2.5"),
+        ({"max_consecutive": True}, r"max_consecutive must be a positive int, got True"),
+    ],
+)
+def test_bad_input_is_named_at_construction(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        NaNSkip(**kwargs)
+
+
+# --- two real processes -------------------------------------------------------------------------------------------
+
+
+def fit_two(model, tmp_path, callbacks=(), steps=STEPS):
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=MultiGPUStrategy(mode="ddp_spawn"),
+        max_steps=steps,
+        use_distributed_sampler=False,
+        callbacks=[*callbacks, RankStateDump(tmp_path)],
+        **QUIET,
+    )
+    trainer.fit(model)
+    return load_rank_dumps(tmp_path)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("kind", "rank"), [("loss_nan", 1), ("grad_inf", 0)])
+def test_fault_on_one_rank_is_skipped_on_every_rank(tmp_path, kind, rank):
+    ours = fit_two(
+        BatchNormClassifier((4, 4), steps=STEPS, inject=(kind, rank, BAD_STEP)),
+        tmp_path / "ours",
+        callbacks=[NaNSkip()],
+    )
+    reference = fit_two(BatchNormClassifier((4, 4), steps=STEPS, drop_step=BAD_STEP), tmp_path / "ref", steps=STEPS - 1)
+    assert [d["skipped_steps"] for d in ours] == [1, 1]
+    assert_same_training_state(ours[0], ours[1], atol=0)  # identical on both ranks
+    for dump in ours:
+        assert_same_training_state(dump, reference[0])
+
+
+@pytest.mark.distributed
+def test_max_consecutive_raises_on_every_rank_without_a_hang(tmp_path):
+    result = run_script(
+        Path(__file__).parents[1] / "helpers" / "nan_fit.py", "--out", tmp_path, "--max-consecutive", 3, timeout=120
+    )
+    assert not result["hung"], result["output"][-3000:]
+    records = [json.loads((tmp_path / f"exception{r}.json").read_text()) for r in (0, 1)]
+    assert [r["type"] for r in records] == ["NonFiniteStepsError", "NonFiniteStepsError"]
+    assert records[0]["step"] == records[1]["step"]
+    assert "3 optimizer steps in a row" in records[0]["message"]
+    assert "the first non-finite tensor was the loss" in records[1]["message"]  # rank 1 saw its own NaN loss
+    assert result["rc"] != 0
+
+
+def test_max_consecutive_error_names_the_step_and_tensor(tmp_path):
+    model = BatchNormClassifier((8,), steps=10, inject=("grad_inf", 0, -1))
+    with pytest.raises(NonFiniteStepsError, match=r"2 optimizer steps in a row.*gradient of 'net.3.weight'"):
+        fit_one(model, tmp_path, callbacks=[NaNSkip(max_consecutive=2)], steps=10)

@@ -1,0 +1,54 @@
+"""A 2-process CPU fit run as a script, with a NaN added to rank 1's loss at every step from step 1 on.
+
+Each rank records the exception that ended its fit in ``<out>/exception<rank>.json``.
+
+    python tests/helpers/nan_fit.py --out /tmp/x --max-consecutive 3
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from lightning.pytorch import Callback, Trainer
+
+from lightning_mgpu import MultiGPUStrategy, NaNSkip
+from tests.helpers.models import BatchNormClassifier
+
+
+class RecordException(Callback):
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_exception(self, trainer, pl_module, exception):
+        record = {"type": type(exception).__name__, "message": str(exception), "step": trainer.global_step}
+        (self.directory / f"exception{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--max-consecutive", type=int, default=3)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=MultiGPUStrategy(mode="ddp"),
+        max_steps=10,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[NaNSkip(max_consecutive=args.max_consecutive), RecordException(args.out)],
+    )
+    trainer.fit(BatchNormClassifier((4, 4), steps=10, inject=("loss_nan", 1, -1)))
+
+
+if __name__ == "__main__":
+    main()
