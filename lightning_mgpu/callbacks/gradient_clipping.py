@@ -13,10 +13,12 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_mgpu.callbacks._grad_norms import gradient_norms
+from lightning_mgpu.callbacks._logging import is_logging_step
 from lightning_mgpu.utilities.clip_grad import (
     GradNormStatistics,
     adaptive_clip_grads_,
-    clip_grads_by_norm_,
+    scale_grads_,
     total_grad_norm,
     zscore_clip_grads_,
 )
@@ -54,7 +56,7 @@ class GradientClipping(Callback):
       moving average with weight ``decay`` for the past) are updated with the clipped norm, and saved in
       checkpoints.
 
-    Logged keys, every step (``on_step=True``), unitless norms:
+    Logged keys, on the steps Lightning's loggers write (every ``log_every_n_steps``), unitless norms:
 
     - ``grad_norm``: total ``norm_type``-norm of the gradients before clipping.
     - ``grad_norm_threshold`` (``zscore`` only): the norm the gradients were clipped to at most; ``inf`` during
@@ -143,11 +145,15 @@ class GradientClipping(Callback):
         self.log_norm = log_norm
         self.statistics = GradNormStatistics(decay=options.get("decay", 0.97))
         self._excluded_ids: set[int] = set()
+        self._state_key: str | None = None
 
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(mode=self.mode, **self.options)
+        # Lightning reads this for every hook it calls: build it once
+        if self._state_key is None:
+            self._state_key = self._generate_state_key(mode=self.mode, **self.options)
+        return self._state_key
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -169,21 +175,25 @@ class GradientClipping(Callback):
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if not params:
             return
-        norm, threshold = self._clip(params)
-        if self.log_norm:
+        norm, threshold = self._clip(optimizer, params, trainer.global_step)
+        if self.log_norm and is_logging_step(trainer):
             pl_module.log("grad_norm", norm, on_step=True, on_epoch=False)
             if threshold is not None:  # inf during warm-up: deciding that on the host would need a device read
                 pl_module.log("grad_norm_threshold", threshold, on_step=True, on_epoch=False)
 
-    def _clip(self, params: list[Tensor]) -> tuple[Tensor, Tensor | None]:
+    def _clip(self, optimizer: Optimizer, params: list[Tensor], step: int) -> tuple[Tensor, Tensor | None]:
         grads = [p.grad for p in params]
+        if self.norm_type == 2.0:  # per-gradient norms shared with NaNSkip: one pass over the gradients per step
+            norm = torch.linalg.vector_norm(gradient_norms(optimizer, params, step))
+        else:
+            norm = total_grad_norm(grads, self.norm_type)
         if self.mode == "norm":
-            return clip_grads_by_norm_(grads, self.options["max_norm"], self.norm_type), None
+            scale_grads_(grads, torch.clamp(self.options["max_norm"] / (norm + 1e-6), max=1.0))
+            return norm, None
         if self.mode == "zscore":
             return zscore_clip_grads_(
-                grads, self.statistics, self.options["z_threshold"], self.options["warmup_steps"], self.norm_type
+                grads, self.statistics, self.options["z_threshold"], self.options["warmup_steps"], norm=norm
             )
-        norm = total_grad_norm(grads, self.norm_type)
         if self.mode == "value":
             torch.nn.utils.clip_grad_value_(params, self.options["clip_value"])
         else:

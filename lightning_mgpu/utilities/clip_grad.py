@@ -172,7 +172,12 @@ class GradNormStatistics:
 
 
 def zscore_clip_grads_(
-    grads: Sequence[Tensor], stats: GradNormStatistics, z_threshold: float, warmup_steps: int, norm_type: float = 2.0
+    grads: Sequence[Tensor],
+    stats: GradNormStatistics,
+    z_threshold: float,
+    warmup_steps: int,
+    norm_type: float = 2.0,
+    norm: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Clip ``grads`` to ``mean + z * std`` of recent total norms once ``warmup_steps`` norms have been seen.
 
@@ -185,6 +190,7 @@ def zscore_clip_grads_(
         z_threshold: how many standard deviations above the mean a norm may be before it is clipped.
         warmup_steps: finite norms to gather before clipping starts.
         norm_type: the p of the p-norm.
+        norm: the gradients' total norm if the caller has it already.
 
     Returns:
         The total norm before clipping, and the threshold applied (``inf`` during warm-up).
@@ -194,7 +200,7 @@ def zscore_clip_grads_(
         stats = GradNormStatistics()
         norm, threshold = zscore_clip_grads_(grads, stats, z_threshold=2.5, warmup_steps=25)
     """
-    norm = total_grad_norm(grads, norm_type)
+    norm = total_grad_norm(grads, norm_type) if norm is None else norm
     stats._to(norm.device)
     threshold = stats.threshold(z_threshold, warmup_steps)
     coefficient = torch.where(

@@ -47,7 +47,7 @@ def test_logged_norm_is_the_norm_before_clipping():
             seen["norm"] = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
             super().on_before_optimizer_step(trainer, pl_module, optimizer)
 
-    trainer = fit(LoudModel(), steps=1, callbacks=[Spy(mode="norm", max_norm=0.5)])
+    trainer = fit(LoudModel(), steps=1, callbacks=[Spy(mode="norm", max_norm=0.5)], log_every_n_steps=1)
     torch.testing.assert_close(trainer.callback_metrics["grad_norm"], seen["norm"])
     assert float(seen["norm"]) > 0.5
 
@@ -68,7 +68,7 @@ def test_agc_leaves_excluded_layers_alone():
 
 def test_zscore_statistics_resume_from_checkpoint(tmp_path):
     clip = GradientClipping(mode="zscore", z_threshold=1.0, warmup_steps=3)
-    trainer = fit(LoudModel(), steps=6, callbacks=[clip], default_root_dir=tmp_path)
+    trainer = fit(LoudModel(), steps=6, callbacks=[clip], default_root_dir=tmp_path, log_every_n_steps=1)
     assert int(clip.statistics.count) == 6
     assert "grad_norm_threshold" in trainer.callback_metrics
     path = tmp_path / "z.ckpt"

@@ -100,6 +100,7 @@ def test_counters_resume_from_a_checkpoint(tmp_path):
         max_steps=STEPS,
         default_root_dir=tmp_path,
         callbacks=[skip],
+        log_every_n_steps=1,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,

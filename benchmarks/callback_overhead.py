@@ -1,0 +1,138 @@
+"""Step-time cost of the pack's stability callbacks: NaNSkip + GradientClipping against no callback, one run.
+
+One process, the MLP of shared/FACTS.md (1024-1024-1024-10) with a BatchNorm after each hidden layer (so NaNSkip
+has running statistics to guard), batch 64 so that a CPU step takes well over 10 ms, SGD with momentum, 1 thread.
+Configurations alternate over rounds; the ratio is the median step time with the callbacks over the one without,
+measured in the same round. ``--accelerator cuda`` runs the same on a GPU (fused Adam there, so that NaNSkip skips
+on the device).
+
+    python benchmarks/callback_overhead.py --rounds 5
+    python benchmarks/callback_overhead.py --accelerator cuda --batch-size 512
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+from _common import describe_machine, run_worker
+
+CONFIGS = ("none", "nanskip+clip_norm", "nanskip+clip_zscore")
+RESULT_PREFIX = "CALLBACK_OVERHEAD_RESULT "
+
+
+def worker(name: str, args: argparse.Namespace) -> None:
+    import lightning.pytorch as pl
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_mgpu import GradientClipping, NaNSkip
+
+    torch.set_num_threads(1)
+    cuda = args.accelerator == "cuda"
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(
+                nn.Linear(1024, 1024),
+                nn.BatchNorm1d(1024),
+                nn.ReLU(),
+                nn.Linear(1024, 1024),
+                nn.BatchNorm1d(1024),
+                nn.ReLU(),
+                nn.Linear(1024, 10),
+            )
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            if cuda:
+                return torch.optim.Adam(self.parameters(), lr=1e-3, fused=True)
+            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+    class Clock(pl.Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if cuda:
+                torch.cuda.synchronize()  # the benchmark's own clock, not the callbacks under test
+            self.times.append(time.perf_counter())
+
+    callbacks: list[pl.Callback] = []
+    if name != "none":
+        callbacks.append(NaNSkip())
+        mode = name.split("_")[-1]
+        callbacks.append(GradientClipping(mode=mode, **({"max_norm": 1.0} if mode == "norm" else {})))
+    clock = Clock()
+    g = torch.Generator().manual_seed(0)
+    samples = args.steps * args.batch_size
+    data = TensorDataset(torch.randn(samples, 1024, generator=g), torch.randint(0, 10, (samples,), generator=g))
+    trainer = pl.Trainer(
+        accelerator=args.accelerator,
+        devices=1,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[*callbacks, clock],
+    )
+    trainer.fit(Net(), DataLoader(data, batch_size=args.batch_size))
+    steps = [b - a for a, b in zip(clock.times[args.warmup :], clock.times[args.warmup + 1 :], strict=False)]
+    print(RESULT_PREFIX + json.dumps({"config": name, "step_ms": 1000 * statistics.median(steps)}), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args)
+        return
+
+    print(f"machine: {describe_machine()}")
+    print(
+        f"model: MLP 1024-BN-1024-BN-10, batch {args.batch_size}, 1 process on {args.accelerator}, "
+        f"{args.steps} steps, median step time after step {args.warmup}, {args.rounds} alternating rounds"
+    )
+    worker_args = [
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--batch-size",
+        str(args.batch_size),
+        "--accelerator",
+        args.accelerator,
+    ]
+    ratios: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    for round_index in range(args.rounds):
+        order = CONFIGS if round_index % 2 == 0 else tuple(reversed(CONFIGS))
+        times = {name: run_worker(__file__, [name, *worker_args], RESULT_PREFIX)["step_ms"] for name in order}
+        for name in CONFIGS:
+            ratios[name].append(times[name] / times["none"])
+        print(
+            f"round {round_index + 1}: "
+            + ", ".join(f"{n} {times[n]:.2f} ms ({times[n] / times['none']:.3f}x)" for n in CONFIGS)
+        )
+    print("\nmedian step-time ratio to no callback (same round):")
+    for name in CONFIGS[1:]:
+        print(
+            f"  {name:<22} {statistics.median(ratios[name]):.3f}x  "
+            f"(range {min(ratios[name]):.3f}-{max(ratios[name]):.3f})"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
