@@ -207,3 +207,84 @@ def test_max_consecutive_error_names_the_step_and_tensor(tmp_path):
     model = BatchNormClassifier((8,), steps=10, inject=("grad_inf", 0, -1))
     with pytest.raises(NonFiniteStepsError, match=r"2 optimizer steps in a row.*gradient of 'net.3.weight'"):
         fit_one(model, tmp_path, callbacks=[NaNSkip(max_consecutive=2)], steps=10)
+
+
+def test_bf16_mixed_precision(tmp_path):
+    ours, _ = fit_one(
+        BatchNormClassifier((8,), steps=STEPS, inject=("grad_inf", 0, BAD_STEP)),
+        tmp_path / "ours",
+        callbacks=[NaNSkip()],
+        precision="bf16-mixed",
+    )
+    reference, _ = fit_one(
+        BatchNormClassifier((8,), steps=STEPS, drop_step=BAD_STEP),
+        tmp_path / "ref",
+        steps=STEPS - 1,
+        precision="bf16-mixed",
+    )
+    assert ours["skipped_steps"] == 1
+    assert_same_training_state(ours, reference)
+
+
+class ManualSteps(BatchNormClassifier):
+    """Manual optimization: NaNSkip skips the optimizer step the training_step calls."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self(x), y)
+        if self._injecting("loss_nan", batch_idx):
+            loss = loss * float("nan")
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss
+
+
+def test_manual_optimization_skips_the_called_step(tmp_path):
+    ours, _ = fit_one(
+        ManualSteps(per_rank_batch=(8,), steps=STEPS, inject=("loss_nan", 0, BAD_STEP)),
+        tmp_path / "ours",
+        callbacks=[NaNSkip()],
+    )
+    reference, _ = fit_one(
+        ManualSteps(per_rank_batch=(8,), steps=STEPS, drop_step=BAD_STEP), tmp_path / "ref", steps=STEPS - 1
+    )
+    assert ours["skipped_steps"] == 1
+    assert_same_training_state(ours, reference)
+
+
+def test_under_our_dataparallel(tmp_path):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tests.strategies.test_data_parallel import BATCH, CPUDataParallelStrategy, Regressor, data
+
+    class NaNInBatch1(Regressor):
+        def training_step(self, batch, batch_idx):
+            out = super().training_step(batch, batch_idx)
+            if batch_idx == 1:
+                out["loss"] = out["loss"] + float("nan")  # in every replica: the merged loss is NaN
+            return out
+
+    def fit_dp(model, x, y, callbacks):
+        trainer = Trainer(
+            accelerator="cpu",
+            devices=1,
+            strategy=CPUDataParallelStrategy(),
+            callbacks=callbacks,
+            max_steps=len(x) // BATCH,
+            **QUIET,
+        )
+        trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=BATCH))
+
+    x, y = data(3 * BATCH)
+    ours, reference = NaNInBatch1(), Regressor()
+    fit_dp(ours, x, y, [NaNSkip()])
+    keep = torch.cat([torch.arange(BATCH), torch.arange(2 * BATCH, 3 * BATCH)])  # batch 1 never happened
+    fit_dp(reference, x[keep], y[keep], [])
+    torch.testing.assert_close(ours.layer.weight, reference.layer.weight, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ours.layer.bias, reference.layer.bias, atol=1e-6, rtol=0)

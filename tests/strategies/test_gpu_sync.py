@@ -72,3 +72,56 @@ def test_sigterm_agreement_check_causes_no_host_sync(cuda_events):
         assert agreement.stop_batch == (7 if cuda_events else 6)  # one interval later with event-lagged reads
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+@cuda_gpus(1)
+def test_stability_callbacks_cause_no_host_sync_with_a_fused_optimizer():
+    from lightning_mgpu import GradientClipping, NaNSkip
+
+    model = BatchNormClassifier(
+        per_rank_batch=(16,), steps=12, lr=0.01, optimizer="adam_fused", inject=("grad_inf", 0, 8)
+    )
+    trainer = Trainer(
+        accelerator="cuda",
+        devices=1,
+        max_steps=12,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[WatchSyncsFrom(start=5), NaNSkip(), GradientClipping(mode="zscore", warmup_steps=3)],
+    )
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(model)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    ours = [
+        f"{w.filename}:{w.lineno}"
+        for w in caught
+        if "synchroniz" in str(w.message).lower() and "lightning_mgpu" in w.filename
+    ]
+    assert not ours
+    assert next(c for c in trainer.callbacks if isinstance(c, NaNSkip)).skipped_steps == 1
+
+
+@cuda_gpus(1)
+def test_nanskip_counts_gradscaler_skips_under_16_mixed():
+    from lightning_mgpu import NaNSkip
+
+    skip = NaNSkip()
+    trainer = Trainer(
+        accelerator="cuda",
+        devices=1,
+        precision="16-mixed",
+        max_steps=8,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[skip],
+    )
+    trainer.fit(BatchNormClassifier(per_rank_batch=(16,), steps=8, inject=("grad_inf", 0, 4)))
+    assert skip.skipped_steps >= 1  # the injected one, plus any the scaler skipped while calibrating
+    assert all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())
