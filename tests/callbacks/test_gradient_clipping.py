@@ -7,6 +7,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_mgpu import GradientClipping
+from tests.helpers.trainer import QUIET
 
 TRAINER = {"accelerator": "cpu", "logger": False, "enable_progress_bar": False, "enable_model_summary": False}
 
@@ -122,12 +123,9 @@ def test_two_processes_clip_alike(tmp_path, mode_kwargs):
         devices=2,
         strategy=MultiGPUStrategy(mode="ddp_spawn"),
         max_steps=4,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         use_distributed_sampler=False,
         callbacks=[GradientClipping(**mode_kwargs), RankStateDump(tmp_path)],
+        **QUIET,
     )
     trainer.fit(BatchNormClassifier(per_rank_batch=(4, 4), steps=4, lr=1.0))
     dumps = load_rank_dumps(tmp_path)

@@ -10,10 +10,10 @@ from lightning.pytorch import Trainer
 from lightning_mgpu import GradientClipping, MultiGPUStrategy, NaNSkip, NonFiniteStepsError
 from tests.helpers.models import BatchNormClassifier, RankStateDump, load_rank_dumps
 from tests.helpers.processes import run_script
+from tests.helpers.trainer import QUIET
 
 BAD_STEP = 2
 STEPS = 5
-QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
 
 
 def fit_one(model, tmp_path, callbacks=(), steps=STEPS, **kwargs):

@@ -18,6 +18,7 @@ from lightning.pytorch import Callback, Trainer
 
 from lightning_mgpu import MultiGPUStrategy, NaNSkip
 from tests.helpers.models import BatchNormClassifier
+from tests.helpers.trainer import QUIET
 
 
 class RecordException(Callback):
@@ -41,11 +42,8 @@ def main() -> None:
         strategy=MultiGPUStrategy(mode="ddp"),
         max_steps=10,
         use_distributed_sampler=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[NaNSkip(max_consecutive=args.max_consecutive), RecordException(args.out)],
+        **QUIET,
     )
     trainer.fit(BatchNormClassifier((4, 4), steps=10, inject=("loss_nan", 1, -1)))
 

@@ -11,12 +11,11 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 import lightning_mgpu
 from lightning_mgpu import DataParallelStrategy, DDPStrategy, MultiGPUStrategy, SingleDeviceStrategy
 from lightning_mgpu.strategies import REGISTERED_STRATEGIES
-
-TRAINER_DEFAULTS = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
+from tests.helpers.trainer import QUIET
 
 
 def make_trainer(**kwargs):
-    return Trainer(**TRAINER_DEFAULTS, **kwargs)
+    return Trainer(**QUIET, **kwargs)
 
 
 @pytest.fixture(autouse=True)

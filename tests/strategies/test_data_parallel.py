@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import DataParallelStrategy
 from lightning_mgpu.strategies.data_parallel import _ReplicaDataParallel
+from tests.helpers.trainer import QUIET
 
 BATCH = 7  # two replicas get 4 and 3 samples: uneven on purpose
 
@@ -132,12 +133,9 @@ def fit(model, tmp_path, steps=1, **trainer_kwargs):
         devices=1,
         strategy=CPUDataParallelStrategy(),
         max_steps=steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
         default_root_dir=tmp_path,
         **trainer_kwargs,
+        **QUIET,
     )
     trainer.fit(model, loader, loader if trainer_kwargs.get("limit_val_batches") else None)
     return trainer
@@ -262,11 +260,8 @@ def test_batch_hooks_run_once_and_datamodule_hooks_run(tmp_path):
             devices=1,
             strategy=strategy,
             max_steps=1,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=False,
             default_root_dir=tmp_path,
+            **QUIET,
         )
         trainer.fit(Hooked(), datamodule=Data())
         runs[name] = list(calls)

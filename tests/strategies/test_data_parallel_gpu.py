@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import DataParallelStrategy, MultiGPUStrategy
 from tests.helpers.runif import cuda_gpus
+from tests.helpers.trainer import QUIET
 from tests.strategies.test_data_parallel import BATCH, Regressor, data
 
 pytestmark = pytest.mark.cuda
@@ -26,10 +27,7 @@ def fit_dp(model, devices, precision="32-true", steps=1):
         strategy=DataParallelStrategy(),
         precision=precision,
         max_steps=steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
+        **QUIET,
     )
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=BATCH))
     return trainer
@@ -101,10 +99,7 @@ def test_multigpu_dp_mode_fits():
         devices=2,
         strategy=MultiGPUStrategy(mode="dp"),
         max_steps=2,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
+        **QUIET,
     )
     x, y = data()
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=BATCH))

@@ -9,6 +9,7 @@ from torch import nn
 
 from lightning_mgpu import DistributedBatchNorm, MultiGPUStrategy
 from tests.helpers.models import BatchNormClassifier, RankStateDump, load_rank_dumps
+from tests.helpers.trainer import QUIET
 
 pytestmark = pytest.mark.distributed
 
@@ -22,11 +23,8 @@ def fit_two_processes(model, tmp_path, steps, trainer_sync_batchnorm=False, **st
         max_steps=steps,
         sync_batchnorm=trainer_sync_batchnorm,
         use_distributed_sampler=False,  # each rank reads its own slice, see BatchNormClassifier
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[RankStateDump(tmp_path)],
+        **QUIET,
     )
     trainer.fit(model)
     return load_rank_dumps(tmp_path)
@@ -117,10 +115,7 @@ def test_sync_batchnorm_is_reverted_after_fit():
         devices=1,
         strategy=MultiGPUStrategy(mode="ddp", sync_batchnorm=True),
         max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
     )
     seen = []
 

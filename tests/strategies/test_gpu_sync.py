@@ -12,6 +12,7 @@ from lightning_mgpu import MultiGPUStrategy
 from lightning_mgpu.strategies.preemption import SigtermAgreement
 from tests.helpers.models import BatchNormClassifier
 from tests.helpers.runif import cuda_gpus
+from tests.helpers.trainer import QUIET
 
 pytestmark = pytest.mark.cuda
 
@@ -37,12 +38,9 @@ def test_steady_state_steps_cause_no_host_sync_in_our_code():
         accelerator="cuda",
         devices=1,
         max_steps=12,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[WatchSyncsFrom(start=5)],
         strategy=MultiGPUStrategy(mode="ddp", sync_batchnorm=True, comm_hook="powersgd", powersgd_warmup_steps=2),
+        **QUIET,
     )
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -85,11 +83,8 @@ def test_stability_callbacks_cause_no_host_sync_with_a_fused_optimizer():
         accelerator="cuda",
         devices=1,
         max_steps=12,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[WatchSyncsFrom(start=5), NaNSkip(), GradientClipping(mode="zscore", warmup_steps=3)],
+        **QUIET,
     )
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -116,11 +111,8 @@ def test_nanskip_counts_gradscaler_skips_under_16_mixed():
         devices=1,
         precision="16-mixed",
         max_steps=8,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[skip],
+        **QUIET,
     )
     trainer.fit(BatchNormClassifier(per_rank_batch=(16,), steps=8, inject=("grad_inf", 0, 4)))
     assert skip.skipped_steps >= 1  # the injected one, plus any the scaler skipped while calibrating
