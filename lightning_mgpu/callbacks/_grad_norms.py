@@ -29,3 +29,8 @@ def gradient_norms(optimizer: Optimizer, params: list[Tensor], step: int) -> Ten
     norms = torch.stack(torch._foreach_norm([p.grad for p in params], 2, dtype=torch.float32))
     _CACHE[optimizer] = (step, ids, norms)
     return norms
+
+
+def clear_gradient_norms() -> None:
+    """Forget every cached norm: called after each backward pass and at the start of a fit."""
+    _CACHE.clear()

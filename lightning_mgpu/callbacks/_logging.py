@@ -5,4 +5,5 @@ import lightning.pytorch as pl
 
 def is_logging_step(trainer: "pl.Trainer") -> bool:
     """Whether the optimizer step under way is one whose metrics Lightning's loggers write."""
-    return (trainer.global_step + 1) % max(1, trainer.log_every_n_steps) == 0
+    every = trainer.log_every_n_steps
+    return every > 0 and (trainer.global_step + 1) % every == 0

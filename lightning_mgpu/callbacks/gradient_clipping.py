@@ -13,7 +13,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mgpu.callbacks._grad_norms import gradient_norms
+from lightning_mgpu.callbacks._amp import unscale_gradients
+from lightning_mgpu.callbacks._grad_norms import clear_gradient_norms, gradient_norms
 from lightning_mgpu.callbacks._logging import is_logging_step
 from lightning_mgpu.utilities.clip_grad import (
     GradNormStatistics,
@@ -162,6 +163,10 @@ class GradientClipping(Callback):
                 f"{type(self).__name__}(mode={self.mode!r}) and Trainer(gradient_clip_val={trainer.gradient_clip_val})"
                 " both clip gradients; keep one of them."
             )
+
+    @override
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # after configure_model, which may build layers (the classifier to exclude, say) after setup
         self._excluded_ids = {
             id(param)
             for name, param in pl_module.named_parameters()
@@ -172,6 +177,7 @@ class GradientClipping(Callback):
     def on_before_optimizer_step(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Optimizer
     ) -> None:
+        unscale_gradients(trainer, optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if not params:
             return
@@ -183,10 +189,10 @@ class GradientClipping(Callback):
 
     def _clip(self, optimizer: Optimizer, params: list[Tensor], step: int) -> tuple[Tensor, Tensor | None]:
         grads = [p.grad for p in params]
-        if self.norm_type == 2.0:  # per-gradient norms shared with NaNSkip: one pass over the gradients per step
-            norm = torch.linalg.vector_norm(gradient_norms(optimizer, params, step))
-        else:
-            norm = total_grad_norm(grads, self.norm_type)
+        # per-gradient norms shared with NaNSkip, read before clipping changes anything (value clipping turns an
+        # Inf into clip_value): one pass over the gradients per step, whatever the callbacks' order
+        norms = gradient_norms(optimizer, params, step)
+        norm = torch.linalg.vector_norm(norms) if self.norm_type == 2.0 else total_grad_norm(grads, self.norm_type)
         if self.mode == "norm":
             scale_grads_(grads, torch.clamp(self.options["max_norm"] / (norm + 1e-6), max=1.0))
             return norm, None
@@ -200,6 +206,10 @@ class GradientClipping(Callback):
             kept = [p for p in params if id(p) not in self._excluded_ids]
             adaptive_clip_grads_(kept, self.options["clip_factor"], self.options["eps"])
         return norm, None
+
+    @override
+    def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        clear_gradient_norms()  # new gradients: norms cached for an earlier backward are stale
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -11,7 +11,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mgpu.callbacks._grad_norms import gradient_norms
+from lightning_mgpu.callbacks._amp import unscale_gradients
+from lightning_mgpu.callbacks._grad_norms import clear_gradient_norms, gradient_norms
 from lightning_mgpu.callbacks._logging import is_logging_step
 
 CheckTarget = Literal["loss", "grads", "both"]
@@ -47,6 +48,8 @@ class NaNSkip(Callback):
       Its first steps may overflow while it calibrates the loss scale: leave ``max_consecutive`` large enough.
     - manual optimization: the optimizer step the ``training_step`` calls is skipped as above; what the step does
       around it (schedulers, extra backward calls) is the user's.
+    - learning-rate schedulers, ``global_step`` and ``max_steps`` still advance on a skipped step, as they do on a
+      step GradScaler skips.
 
     Logged key, on the steps Lightning's loggers write (every ``log_every_n_steps``; a ``self.log`` call costs about
     0.6 ms on CPU): ``skipped_steps`` (count, total since the start of training). A summary is
@@ -86,6 +89,8 @@ class NaNSkip(Callback):
         # what the last skipped step saw, for the error message: kept on the device, read only when raising
         self._last_bad_norms: Tensor | None = None
         self._last_bad_loss = torch.zeros((), dtype=torch.bool)
+        self._last_bad_names: tuple[str, ...] = ()
+        self._found_inf: Tensor | None = None
         self._loss_bad: Tensor | None = None
         self._buffers: list[Tensor] = []
         self._snapshot: list[Tensor] | None = None
@@ -102,7 +107,6 @@ class NaNSkip(Callback):
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         self._distributed = trainer.world_size > 1
-        self._names = {id(p): name for name, p in pl_module.named_parameters()}
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -111,6 +115,10 @@ class NaNSkip(Callback):
         self._consecutive = self._consecutive.to(device)
         self._last_bad_loss = self._last_bad_loss.to(device)
         self._last_bad_norms = None
+        self._lagged = _LaggedRead()
+        clear_gradient_norms()
+        # after configure_model, which may build layers after setup
+        self._names = {id(p): name for name, p in pl_module.named_parameters()}
         # the running statistics a bad forward pass may already have changed; sync-BN layers are BatchNorms too
         self._buffers = [
             buffer
@@ -120,8 +128,8 @@ class NaNSkip(Callback):
         ]
         self._snapshot = None
         for optimizer in trainer.optimizers:
-            # found_inf is an argument of one step only, as GradScaler hands it over
-            self._hooks.append(optimizer.register_step_post_hook(lambda opt, *_: opt.__dict__.pop("found_inf", None)))
+            # found_inf is an argument of one step only; GradScaler removes the one it sets itself
+            self._hooks.append(optimizer.register_step_post_hook(self._drop_found_inf))
 
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int):
@@ -140,16 +148,25 @@ class NaNSkip(Callback):
             loss.register_hook(lambda grad: grad * poison.to(grad.dtype))
 
     @override
+    def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        clear_gradient_norms()  # new gradients: norms cached for an earlier backward (LBFGS, resumes) are stale
+
+    @override
     def on_before_optimizer_step(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Optimizer
     ) -> None:
+        unscale_gradients(trainer, optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         bad = self._flag(optimizer, params, trainer.global_step)
         self._count(bad)
         self.optimizer_steps += 1
-        on_device = _skips_on_device(optimizer, trainer)
+        on_device = _skips_on_device(optimizer, trainer, params)
+        if self.max_consecutive is not None:  # before anything is changed: a raise leaves the optimizer clean
+            lagged = on_device and self._consecutive.is_cuda
+            self._raise_if_too_many(trainer, self._lagged.read(self._consecutive) if lagged else None)
         if on_device:
-            optimizer.found_inf = bad.float()  # the fused kernels leave everything as it was where this is 1
+            # the fused kernels leave parameters and state as they were where this is 1
+            self._found_inf = optimizer.found_inf = bad.float()
             self._restore_buffers(bad)
         elif bool(bad):  # one host read per optimizer step for optimizers that cannot skip on the device
             for param in params:
@@ -159,9 +176,10 @@ class NaNSkip(Callback):
         self._loss_bad = None
         if self.log_skipped and is_logging_step(trainer):
             pl_module.log("skipped_steps", self._skipped.float(), on_step=True, on_epoch=False)
-        if self.max_consecutive is not None:
-            lagged = on_device and self._consecutive.is_cuda
-            self._raise_if_too_many(trainer, params, self._lagged.read(self._consecutive) if lagged else None)
+
+    def _drop_found_inf(self, optimizer: Optimizer, *_: Any) -> None:
+        if self._found_inf is not None and optimizer.__dict__.get("found_inf") is self._found_inf:
+            del optimizer.found_inf
 
     def _flag(self, optimizer: Optimizer, params: list[Tensor], step: int) -> Tensor:
         device = self._skipped.device
@@ -172,9 +190,11 @@ class NaNSkip(Callback):
             # kernel is ~35x slower on CPU
             norms = gradient_norms(optimizer, params, step).to(device)
             bad = ~torch.isfinite(norms.sum())
-            self._last_bad_norms = (
-                norms if self._last_bad_norms is None else torch.where(bad, norms, self._last_bad_norms)
-            )
+            names = tuple(self._names.get(id(p), "?") for p in params)
+            if self._last_bad_norms is None or self._last_bad_names != names:  # another parameter set: start over
+                self._last_bad_norms, self._last_bad_names = norms, names
+            else:
+                self._last_bad_norms = torch.where(bad, norms, self._last_bad_norms)
         if self.check != "grads" and self._loss_bad is not None:
             loss_bad = self._loss_bad.to(device)
             self._last_bad_loss = torch.where(bad | loss_bad, loss_bad, self._last_bad_loss.to(device))
@@ -191,7 +211,7 @@ class NaNSkip(Callback):
         for buffer, saved in zip(self._buffers, self._snapshot, strict=True):
             buffer.copy_(saved if bad is None else torch.where(bad, saved, buffer))
 
-    def _raise_if_too_many(self, trainer: "pl.Trainer", params: list[Tensor], lagged: int | None) -> None:
+    def _raise_if_too_many(self, trainer: "pl.Trainer", lagged: int | None) -> None:
         # every rank reads the same step's value at the same step, so all raise together
         consecutive = int(self._consecutive) if lagged is None else lagged
         if self.max_consecutive is None or consecutive < self.max_consecutive:
@@ -199,7 +219,7 @@ class NaNSkip(Callback):
         culprit = "the loss" if bool(self._last_bad_loss) else "a gradient"
         if not bool(self._last_bad_loss) and self._last_bad_norms is not None:
             first = int((~torch.isfinite(self._last_bad_norms)).int().argmax())
-            culprit = f"the gradient of {self._names.get(id(params[first]), '?')!r}"
+            culprit = f"the gradient of {self._last_bad_names[first]!r}"
         raise NonFiniteStepsError(
             f"{type(self).__name__}: {consecutive} optimizer steps in a row had NaN or Inf values "
             f"(max_consecutive={self.max_consecutive}); the last at global step {trainer.global_step}, where "
@@ -215,9 +235,18 @@ class NaNSkip(Callback):
 
     @override
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self._remove_hooks(trainer)
+
+    @override
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        self._remove_hooks(trainer)  # Lightning does not call teardown after an exception
+
+    def _remove_hooks(self, trainer: "pl.Trainer") -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        for optimizer in trainer.optimizers:
+            self._drop_found_inf(optimizer)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -234,12 +263,18 @@ class NaNSkip(Callback):
         self.optimizer_steps = int(state_dict.get("optimizer_steps", 0))
 
 
-def _skips_on_device(optimizer: Optimizer, trainer: "pl.Trainer") -> bool:
+def _skips_on_device(optimizer: Optimizer, trainer: "pl.Trainer", params: list[Tensor]) -> bool:
     """Whether the optimizer's own kernels can skip on a device flag, with no GradScaler handling that already."""
     fused = bool(getattr(optimizer, "defaults", {}).get("fused")) and getattr(
         optimizer, "_step_supports_amp_scaling", False
     )
-    return fused and getattr(trainer.precision_plugin, "scaler", None) is None
+    if not fused or getattr(trainer.precision_plugin, "scaler", None) is not None:
+        return False
+    # fused SGD creates its momentum buffers empty on the first step and its kernel returns early on found_inf:
+    # a skipped first step would keep garbage as momentum
+    if isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum", 0) for g in optimizer.param_groups):
+        return all("momentum_buffer" in optimizer.state.get(p, {}) for p in params)
+    return True
 
 
 class _LaggedRead:

@@ -8,13 +8,14 @@ import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from lightning_mgpu import GradientClipping
+from lightning_mgpu import GradientClipping, NaNSkip
 
 CALLBACKS = {
     "clip_norm": lambda: GradientClipping(mode="norm", max_norm=1.0),
     "clip_value": lambda: GradientClipping(mode="value", clip_value=0.1),
     "clip_agc": lambda: GradientClipping(mode="agc", exclude=["layer.bias"]),
     "clip_zscore": lambda: GradientClipping(mode="zscore", warmup_steps=2),
+    "nan_skip": lambda: NaNSkip(max_consecutive=3),
 }
 
 

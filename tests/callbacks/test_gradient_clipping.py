@@ -131,3 +131,25 @@ def test_two_processes_clip_alike(tmp_path, mode_kwargs):
     dumps = load_rank_dumps(tmp_path)
     for name, value in dumps[0]["params"].items():
         assert torch.equal(value, dumps[1]["params"][name]), name
+
+
+def test_agc_exclude_finds_layers_built_in_configure_model():
+    class LateHead(LoudModel):
+        def __init__(self):
+            super().__init__()
+            self.head = None
+
+        def configure_model(self):
+            if self.head is None:
+                self.head = torch.nn.Linear(2, 2)
+
+        def step(self, x):
+            return torch.nn.functional.mse_loss(self.head(self.layer(x)), torch.ones(len(x), 2))
+
+    torch.manual_seed(0)
+    model = LateHead()
+    reference = copy.deepcopy(model)
+    fit(model, steps=1, callbacks=[GradientClipping(mode="agc", clip_factor=1e-6, exclude=["head.*"])])
+    fit(reference, steps=1)  # both heads are built inside fit, after the same seed: the same initial head
+    torch.testing.assert_close(model.head.weight, reference.head.weight)  # excluded: the plain SGD step
+    assert not torch.allclose(model.layer.weight, reference.layer.weight)  # clipped hard

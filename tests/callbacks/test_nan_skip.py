@@ -288,3 +288,65 @@ def test_under_our_dataparallel(tmp_path):
     fit_dp(reference, x[keep], y[keep], [])
     torch.testing.assert_close(ours.layer.weight, reference.layer.weight, atol=1e-6, rtol=0)
     torch.testing.assert_close(ours.layer.bias, reference.layer.bias, atol=1e-6, rtol=0)
+
+
+def test_16_mixed_with_a_fused_optimizer_unscales_once_and_skips(tmp_path):
+    """GradScaler with a fused optimizer: Lightning leaves the gradients scaled, the kernel would unscale them."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    scaler_plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    skip, clip = NaNSkip(), GradientClipping(mode="norm", max_norm=1.0)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=STEPS,
+        plugins=[scaler_plugin],
+        callbacks=[skip, clip],
+        log_every_n_steps=1,
+        **QUIET,
+    )
+    trainer.fit(
+        BatchNormClassifier((8,), steps=STEPS, lr=0.01, optimizer="adam_fused", inject=("grad_inf", 0, BAD_STEP))
+    )
+    assert skip.skipped_steps == 1
+    assert float(trainer.callback_metrics["grad_norm"]) < 100  # unscaled: the loss scale is 65536
+    assert all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())
+
+
+def test_fused_sgd_with_momentum_skipping_its_first_step(tmp_path):
+    model = BatchNormClassifier((8,), steps=STEPS, inject=("grad_inf", 0, 0))
+    model.configure_optimizers = lambda: torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+    ours, _ = fit_one(model, tmp_path / "ours", callbacks=[NaNSkip()])
+    reference = BatchNormClassifier((8,), steps=STEPS, drop_step=0)
+    reference.configure_optimizers = lambda: torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9, fused=True)
+    ref, _ = fit_one(reference, tmp_path / "ref", steps=STEPS - 1)
+    assert ours["skipped_steps"] == 1
+    assert_same_training_state(ours, ref)
+
+
+class TwoOptimizers(BatchNormClassifier):
+    """Manual optimization with two optimizers over different parameter sets, stepped in turn (a GAN's shape)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.SGD(self.net[3].parameters(), lr=0.1)]
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        for optimizer in self.optimizers():
+            optimizer.zero_grad()
+            loss = torch.nn.functional.cross_entropy(self(x), y)
+            if self._injecting("loss_nan", batch_idx):
+                loss = loss * float("nan")
+            self.manual_backward(loss)
+            optimizer.step()
+
+
+def test_two_optimizers_of_different_sizes(tmp_path):
+    skip = NaNSkip()
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=2 * STEPS, callbacks=[skip], **QUIET)
+    trainer.fit(TwoOptimizers(per_rank_batch=(8,), steps=STEPS, inject=("loss_nan", 0, BAD_STEP)))
+    assert skip.skipped_steps == 2  # both optimizer steps of the bad batch

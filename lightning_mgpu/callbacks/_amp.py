@@ -1,0 +1,25 @@
+"""Unscaled gradients for the pack's callbacks under ``precision="16-mixed"``, whatever the optimizer."""
+
+import lightning.pytorch as pl
+from torch.optim import Optimizer
+
+
+def unscale_gradients(trainer: "pl.Trainer", optimizer: Optimizer) -> None:
+    """Unscale ``optimizer``'s gradients in place if a GradScaler scaled them and has not unscaled them yet.
+
+    Lightning unscales before ``on_before_optimizer_step`` except for fused optimizers, which unscale inside their
+    kernel; clipping or checking those gradients would see values multiplied by the loss scale. Unscaling here also
+    records GradScaler's inf check, so its ``step`` skips and its ``update`` works as usual.
+
+    Args:
+        trainer: the trainer, whose precision plugin may hold a ``scaler``.
+        optimizer: the optimizer about to step.
+    """
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return
+    try:
+        scaler.unscale_(optimizer)
+    except RuntimeError as err:  # Lightning already did it for this step: the usual case
+        if "already been called" not in str(err):
+            raise
