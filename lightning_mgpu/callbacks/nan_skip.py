@@ -89,7 +89,7 @@ class NaNSkip(Callback):
         # what the last skipped step saw, for the error message: kept on the device, read only when raising
         self._last_bad_norms: Tensor | None = None
         self._last_bad_loss = torch.zeros((), dtype=torch.bool)
-        self._last_bad_names: tuple[str, ...] = ()
+        self._last_bad_ids: tuple[int, ...] = ()
         self._found_inf: Tensor | None = None
         self._loss_bad: Tensor | None = None
         self._buffers: list[Tensor] = []
@@ -190,9 +190,9 @@ class NaNSkip(Callback):
             # kernel is ~35x slower on CPU
             norms = gradient_norms(optimizer, params, step).to(device)
             bad = ~torch.isfinite(norms.sum())
-            names = tuple(self._names.get(id(p), "?") for p in params)
-            if self._last_bad_norms is None or self._last_bad_names != names:  # another parameter set: start over
-                self._last_bad_norms, self._last_bad_names = norms, names
+            ids = tuple(map(id, params))
+            if self._last_bad_norms is None or self._last_bad_ids != ids:  # another parameter set: start over
+                self._last_bad_norms, self._last_bad_ids = norms, ids
             else:
                 self._last_bad_norms = torch.where(bad, norms, self._last_bad_norms)
         if self.check != "grads" and self._loss_bad is not None:
@@ -219,7 +219,7 @@ class NaNSkip(Callback):
         culprit = "the loss" if bool(self._last_bad_loss) else "a gradient"
         if not bool(self._last_bad_loss) and self._last_bad_norms is not None:
             first = int((~torch.isfinite(self._last_bad_norms)).int().argmax())
-            culprit = f"the gradient of {self._last_bad_names[first]!r}"
+            culprit = f"the gradient of {self._names.get(self._last_bad_ids[first], '?')!r}"
         raise NonFiniteStepsError(
             f"{type(self).__name__}: {consecutive} optimizer steps in a row had NaN or Inf values "
             f"(max_consecutive={self.max_consecutive}); the last at global step {trainer.global_step}, where "
