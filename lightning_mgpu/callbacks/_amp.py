@@ -1,6 +1,7 @@
 """Unscaled gradients for the pack's callbacks under ``precision="16-mixed"``, whatever the optimizer."""
 
 import lightning.pytorch as pl
+from torch import Tensor
 from torch.optim import Optimizer
 
 
@@ -23,3 +24,17 @@ def unscale_gradients(trainer: "pl.Trainer", optimizer: Optimizer) -> None:
     except RuntimeError as err:  # Lightning already did it for this step: the usual case
         if "already been called" not in str(err):
             raise
+
+
+def params_to_step(trainer: "pl.Trainer", optimizer: Optimizer) -> list[Tensor]:
+    """The parameters ``optimizer`` is about to step that have a gradient, their gradients unscaled.
+
+    What both NaNSkip and GradientClipping start ``on_before_optimizer_step`` with, so that they see the same values
+    in either order.
+
+    Args:
+        trainer: the trainer.
+        optimizer: the optimizer about to step.
+    """
+    unscale_gradients(trainer, optimizer)
+    return [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]

@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mgpu.callbacks._amp import unscale_gradients
+from lightning_mgpu.callbacks._amp import params_to_step
 from lightning_mgpu.callbacks._grad_norms import clear_gradient_norms, gradient_norms
 from lightning_mgpu.callbacks._logging import is_logging_step
 from lightning_mgpu.utilities.clip_grad import (
@@ -177,8 +177,7 @@ class GradientClipping(Callback):
     def on_before_optimizer_step(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Optimizer
     ) -> None:
-        unscale_gradients(trainer, optimizer)
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        params = params_to_step(trainer, optimizer)
         if not params:
             return
         norm, threshold = self._clip(optimizer, params, trainer.global_step)

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mgpu.callbacks._amp import unscale_gradients
+from lightning_mgpu.callbacks._amp import params_to_step
 from lightning_mgpu.callbacks._grad_norms import clear_gradient_norms, gradient_norms
 from lightning_mgpu.callbacks._logging import is_logging_step
 
@@ -155,8 +155,7 @@ class NaNSkip(Callback):
     def on_before_optimizer_step(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Optimizer
     ) -> None:
-        unscale_gradients(trainer, optimizer)
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        params = params_to_step(trainer, optimizer)
         bad = self._flag(optimizer, params, trainer.global_step)
         self._count(bad)
         self.optimizer_steps += 1
