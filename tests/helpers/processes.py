@@ -96,6 +96,22 @@ LAUNCHER_VARIABLES = (
     "PL_GLOBAL_SEED",
     "PL_SEED_WORKERS",
 )
+# what a cluster scheduler sets that makes Lightning think it was launched from outside
+SCHEDULER_VARIABLES = (
+    "SLURM_NTASKS",
+    "SLURM_NTASKS_PER_NODE",
+    "SLURM_JOB_NAME",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_NODEID",
+)
+
+
+def clear_launch_environment(monkeypatch: Any, *extra: str) -> None:
+    """Remove launcher and scheduler variables (and ``extra``) for one test, and leave interactive mode."""
+    for name in (*LAUNCHER_VARIABLES, *SCHEDULER_VARIABLES, *extra):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delattr(sys, "ps1", raising=False)
 
 
 def run_script(script: str, *args: object, timeout: float = 90.0, cwd: str | None = None) -> dict:

@@ -11,6 +11,7 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 import lightning_mgpu
 from lightning_mgpu import DataParallelStrategy, DDPStrategy, MultiGPUStrategy, SingleDeviceStrategy
 from lightning_mgpu.strategies import REGISTERED_STRATEGIES
+from tests.helpers.processes import clear_launch_environment
 from tests.helpers.trainer import QUIET
 
 
@@ -20,22 +21,7 @@ def make_trainer(**kwargs):
 
 @pytest.fixture(autouse=True)
 def _clean_launch_env(monkeypatch):
-    for var in (
-        "LOCAL_RANK",
-        "RANK",
-        "WORLD_SIZE",
-        "GROUP_RANK",
-        "TORCHELASTIC_RUN_ID",
-        "SLURM_NTASKS",
-        "SLURM_JOB_NAME",
-        "SLURM_PROCID",
-        "SLURM_LOCALID",
-        "SLURM_NODEID",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    ):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.delattr(sys, "ps1", raising=False)
+    clear_launch_environment(monkeypatch)
 
 
 @pytest.mark.parametrize("name", sorted(REGISTERED_STRATEGIES))

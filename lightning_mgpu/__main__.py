@@ -1,0 +1,41 @@
+"""``python -m lightning_mgpu env``: print what a multi-GPU run depends on."""
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from lightning_mgpu.utilities.environment_report import ACCELERATORS, environment_report
+
+
+def _devices(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of devices, -1 or 'auto', got {text!r}") from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m lightning_mgpu", description="lightning_mgpu tools")
+    commands = parser.add_subparsers(dest="command", metavar="command")
+    env = commands.add_parser(
+        "env", help="report GPUs, backends, launch context and the strategy MultiGPUStrategy would choose"
+    )
+    env.add_argument("--accelerator", choices=ACCELERATORS, default="auto", help="the Trainer's accelerator")
+    env.add_argument("--devices", type=_devices, default="auto", help="the Trainer's devices: N, -1 or auto")
+    env.add_argument("--nodes", type=int, default=1, help="the Trainer's num_nodes")
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        print(environment_report(accelerator=args.accelerator, devices=args.devices, num_nodes=args.nodes))
+    except ValueError as err:
+        env.error(str(err))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
