@@ -4,7 +4,13 @@ Importing the package registers the strategy names ``mgpu``, ``mgpu_ddp``, ``mgp
 ``mgpu_dp`` and the compression presets ``mgpu_ddp_fp16``, ``mgpu_ddp_bf16``, ``mgpu_ddp_powersgd`` with Lightning.
 """
 
-from lightning_mgpu.callbacks import GradientClipping, NaNSkip, NonFiniteStepsError
+from lightning_mgpu.callbacks import (
+    GPUMemoryMonitor,
+    GradientClipping,
+    MemoryHeadroomWarning,
+    NaNSkip,
+    NonFiniteStepsError,
+)
 from lightning_mgpu.strategies import (
     DataParallelStrategy,
     DDPStrategy,
@@ -25,7 +31,9 @@ __all__ = [
     "DataParallelStrategy",
     "DeviceAgnosticSyncBatchNorm",
     "DistributedBatchNorm",
+    "GPUMemoryMonitor",
     "GradientClipping",
+    "MemoryHeadroomWarning",
     "MultiGPUStrategy",
     "NaNSkip",
     "NonFiniteStepsError",

@@ -7,7 +7,6 @@ window of training batches, and writes per rank what happened to ``<out>/rank<r>
 """
 
 import argparse
-import functools
 import json
 import os
 import signal
@@ -20,38 +19,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy as StockDDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from lightning_mgpu import MultiGPUStrategy
 
-COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_single",
-    "all_gather_object",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "monitored_barrier",
-    "broadcast",
-    "broadcast_object_list",
-    "gather",
-    "gather_object",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "scatter",
-    "scatter_object_list",
-    "send",
-    "recv",
-    "isend",
-    "irecv",
-)
+from lightning_mgpu import MultiGPUStrategy
+from tests.helpers.collectives import count_collectives
 
 
 class Probe(pl.Callback):
@@ -66,19 +41,7 @@ class Probe(pl.Callback):
         self.signal_time: float | None = None
 
     def setup(self, trainer, pl_module, stage):
-        for name in COLLECTIVES:
-            original = getattr(dist, name, None)
-            if original is not None:
-                setattr(dist, name, self._counted(name, original))
-
-    def _counted(self, name, original):
-        @functools.wraps(original)
-        def wrapper(*args, **kwargs):
-            if self.counting:
-                self.calls[name] = self.calls.get(name, 0) + 1
-            return original(*args, **kwargs)
-
-        return wrapper
+        count_collectives(self.calls, lambda: self.counting)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         # the stock per-step broadcast runs before this hook: the window counts batches start+1 .. stop

@@ -1,0 +1,438 @@
+"""Log GPU and host memory, utilisation, temperature and power per GPU, and warn before an out-of-memory error."""
+
+import contextlib
+import math
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_mgpu._imports import MATPLOTLIB_AVAILABLE, PROMETHEUS_AVAILABLE
+from lightning_mgpu.strategies.data_parallel import DataParallelStrategy
+from lightning_mgpu.utilities.memory_headroom import HeadroomWatch
+from lightning_mgpu.utilities.memory_sampler import GPU_METRICS, HOST_METRICS, MemorySampler, MonitoredGPU
+from lightning_mgpu.utilities.memory_timeline import MemoryTimeline, plot_timeline, unused_path
+from lightning_mgpu.utilities.nvml import NVMLSession, torch_device_uuid
+from lightning_mgpu.utilities.prometheus_exporter import PrometheusExporter
+
+RANK_STATISTICS: tuple[str, ...] = ("max_rank", "min", "mean", "max")
+METRICS: tuple[str, ...] = GPU_METRICS + HOST_METRICS
+_FIRST_STAGE = {"fit": "train", "validate": "validate", "test": "test", "predict": "predict"}
+
+
+class MemoryHeadroomWarning(UserWarning):
+    """Emitted by :class:`GPUMemoryMonitor` when a device is about to run out of memory."""
+
+
+class GPUMemoryMonitor(Callback):
+    """Monitor memory, utilisation, temperature and power of every GPU, and the host, at no cost to the training loop.
+
+    A daemon thread samples ``sample_hz`` times a second: NVML (through ``nvidia-ml-py``) for free memory,
+    utilisation, temperature and power, torch's caching allocator for allocated, reserved and peak memory, and
+    ``/proc`` for the process's resident memory. The Lightning hooks only read what was sampled: on the steps
+    Lightning's loggers write (``log_every_n_steps``), the window since the last write is logged straight to the
+    loggers. Each torch device is matched to its NVML device by UUID, so ``CUDA_VISIBLE_DEVICES`` reordering and
+    MIG slices report the right GPU.
+
+    Logged keys, per GPU of this process (``gpu0``, ``gpu1`` under DataParallel), reduced over the window:
+
+    - ``<prefix>/gpu0/allocated_mb``: memory held by tensors (MiB, last sample).
+    - ``<prefix>/gpu0/peak_allocated_mb``: peak of it in the window (MiB); peaks restart with each window and stage.
+    - ``<prefix>/gpu0/reserved_mb``: memory the caching allocator holds (MiB, last sample).
+    - ``<prefix>/gpu0/free_mb``: free device memory, all processes counted (MiB, window minimum).
+    - ``<prefix>/gpu0/headroom_mb``: ``free + reserved - allocated``, what this process can still allocate
+      (MiB, window minimum).
+    - ``<prefix>/gpu0/utilization_pct``, ``temperature_c``, ``power_w``: window means (percent, Celsius, watts);
+      MIG slices have no utilisation of their own, temperature and power are the whole board's.
+    - ``<prefix>/gpu0/alloc_retries``, ``ooms``: the allocator's counts since the process started.
+    - ``<prefix>/host/rss_mb``, ``peak_rss_mb``, ``available_mb``: this process's resident memory (last, window
+      peak) and the memory the host or its container has left (window minimum), MiB.
+
+    Under several processes one all-gather per logging step collects every rank's numbers and rank 0 logs, for each
+    key above, ``<key>_min``, ``<key>_mean``, ``<key>_max`` and ``<key>_max_rank`` (the rank holding the max): the
+    number of keys does not grow with the world size (``metrics=`` trims them). Validation, test and predict log
+    their window once, at the end of the stage, under ``<prefix>/<stage>/...``. A value a device cannot report is
+    left out, not logged as 0.
+
+    Early warning: when a GPU's headroom falls under ``warn_headroom_mb``, or the allocator starts retrying
+    failed allocations, a :class:`MemoryHeadroomWarning` names the rank, device, step and numbers, once per device
+    and cause, from the sampling thread: before the out-of-memory error, not after it. With no GPU, the host's
+    available memory is watched against the same threshold.
+
+    Without a GPU, or without NVML (library missing, initialisation failing, a query unsupported), nothing raises:
+    one warning (per node) says what is missing and the rest, host memory at least, is still logged. Nor does a
+    timeline that cannot be written, a port that is taken or a plot that fails: each warns and is skipped.
+
+    Each rank writes a CSV timeline of every sample as it goes (``memory_<fn>_rank<r>.csv`` under
+    ``timeline_dir``, ``-v1``, ``-v2``... when the name is taken, so a resumed run keeps the first one's); at the end
+    of the stage it is plotted (``.png``, memory over steps with each stage's peak
+    marked) when matplotlib is installed (``pip install lightning-mgpu[plot]``) and rank 0 prints the paths.
+    With ``prometheus_port`` each rank serves the same numbers as Prometheus gauges labelled by rank and GPU UUID at
+    ``http://<prometheus_host>:<prometheus_port + local rank>/metrics`` (``pip install lightning-mgpu[prometheus]``).
+
+    Args:
+        sample_hz: samples per second, on the sampling thread.
+        warn_headroom_mb: warn when headroom falls under this many MiB; ``None`` to warn on allocator retries only.
+        log_prefix: the first part of every logged key.
+        metrics: log only these metrics (names as above, without the slot: ``["peak_allocated_mb", "headroom_mb"]``);
+            ``None`` logs all. The timeline, the exporter and the early warning always see every metric.
+        timeline_dir: where the CSV timelines and plots go; ``None`` for ``<trainer.log_dir>/memory_timeline``.
+        plot: plot each timeline to a PNG at the end (needs matplotlib; skipped without it).
+        track_peak: reset the allocator's peak after each sample so peaks are per window; this also resets what
+            ``torch.cuda.max_memory_allocated`` reports. With ``False`` the peak is the one since process start.
+        prometheus_port: serve Prometheus gauges on this port plus the local rank; 0 picks free ports; ``None``
+            serves nothing.
+        prometheus_host: the address the endpoint binds.
+
+    Raises:
+        ValueError: a ``sample_hz`` outside (0, 100], a negative or non-finite ``warn_headroom_mb``, an empty
+            ``log_prefix``, an unknown name in ``metrics`` or a ``prometheus_port`` outside 0-65535.
+        ModuleNotFoundError: ``prometheus_port`` is set but ``prometheus-client`` is not installed.
+
+    Example::
+
+        trainer = Trainer(accelerator="gpu", devices=4, strategy="mgpu",
+                          callbacks=[GPUMemoryMonitor(warn_headroom_mb=2048)])
+    """
+
+    def __init__(
+        self,
+        sample_hz: float = 2.0,
+        warn_headroom_mb: float | None = 1024.0,
+        log_prefix: str = "gpu_monitor",
+        metrics: list[str] | None = None,
+        timeline_dir: str | None = None,
+        plot: bool = True,
+        track_peak: bool = True,
+        prometheus_port: int | None = None,
+        prometheus_host: str = "127.0.0.1",
+    ) -> None:
+        owner = type(self).__name__
+        if isinstance(sample_hz, bool) or not isinstance(sample_hz, (int, float)) or not 0 < sample_hz <= 100:
+            raise ValueError(f"{owner}: sample_hz must be a number in (0, 100] samples per second, got {sample_hz!r}")
+        if warn_headroom_mb is not None and (
+            isinstance(warn_headroom_mb, bool)
+            or not isinstance(warn_headroom_mb, (int, float))
+            or not math.isfinite(warn_headroom_mb)
+            or warn_headroom_mb < 0
+        ):
+            raise ValueError(
+                f"{owner}: warn_headroom_mb must be a non-negative number of MiB, got {warn_headroom_mb!r}; "
+                "use None to warn on allocator retries only"
+            )
+        if not isinstance(log_prefix, str) or not log_prefix:
+            raise ValueError(f"{owner}: log_prefix must be a non-empty string, got {log_prefix!r}")
+        if metrics is not None:
+            unknown = [m for m in metrics if m not in METRICS] if isinstance(metrics, (list, tuple)) else [metrics]
+            if unknown or not metrics:
+                raise ValueError(
+                    f"{owner}: metrics must be a non-empty list of {', '.join(METRICS)} (or None for all), "
+                    f"got {metrics!r}"
+                )
+        if prometheus_port is not None:
+            if isinstance(prometheus_port, bool) or not isinstance(prometheus_port, int) or not prometheus_port >= 0:
+                raise ValueError(
+                    f"{owner}: prometheus_port must be an int in 0-65535 (0 picks a free port), got {prometheus_port!r}"
+                )
+            if prometheus_port > 65535:
+                raise ValueError(f"{owner}: prometheus_port must be an int in 0-65535, got {prometheus_port!r}")
+            if not PROMETHEUS_AVAILABLE:
+                raise ModuleNotFoundError(
+                    f"{owner}: prometheus_port={prometheus_port} needs prometheus-client: "
+                    f"pip install 'lightning-mgpu[prometheus]' ({PROMETHEUS_AVAILABLE.message})"
+                )
+        self.sample_hz = float(sample_hz)
+        self.warn_headroom_mb = warn_headroom_mb
+        self.log_prefix = log_prefix
+        self.metrics = None if metrics is None else list(metrics)
+        self.timeline_dir = timeline_dir
+        self.plot = plot
+        self.track_peak = track_peak
+        self.prometheus_port = prometheus_port
+        self.prometheus_host = prometheus_host
+        self.timeline_path: Path | None = None
+        self.plot_path: Path | None = None
+        self.prometheus_url: str | None = None
+        self.last_logged: dict[str, float] = {}
+        self._local_rank = 0
+        self._nvml = NVMLSession(warn=self._warn_on_each_node)
+        self._reset_run_state()
+
+    def _reset_run_state(self) -> None:
+        self._sampler: MemorySampler | None = None
+        self._timeline: MemoryTimeline | None = None
+        self._exporter: PrometheusExporter | None = None
+        self._watch: HeadroomWatch | None = None
+        self._gather_group: Any = None
+        self._gather_device = torch.device("cpu")
+        self._rank = 0
+        self._world_size = 1
+
+    @property
+    def sampler(self) -> MemorySampler | None:
+        """The running sampler, between ``setup`` and ``teardown``."""
+        return self._sampler
+
+    @property
+    def warnings_issued(self) -> list[str]:
+        """Causes warned about in the last stage (``"gpu0:headroom"``, ``"gpu0:retries"``, ``"host:headroom"``)."""
+        return list(self._watch.warned) if self._watch is not None else []
+
+    @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self._shutdown(print_paths=False)
+        self._rank, self._local_rank, self._world_size = trainer.global_rank, trainer.local_rank, trainer.world_size
+        fn = str(getattr(stage, "value", stage))
+        # the collectives first, on every rank, before anything that could fail on one rank only
+        directory = Path(
+            self.timeline_dir or os.path.join(trainer.log_dir or trainer.default_root_dir, "memory_timeline")
+        )
+        self._setup_gather(trainer)
+
+        gpus = self._monitored_gpus(trainer)
+        self._watch = HeadroomWatch(self.warn_headroom_mb, warn=self._warn_headroom, rank=self._rank)
+        sampler = MemorySampler(
+            gpus,
+            self._nvml,
+            self.sample_hz,
+            step=lambda: trainer.fit_loop.epoch_loop._batches_that_stepped,
+            track_peak=self.track_peak,
+            warn=self._warn_on_this_rank,
+        )
+        sampler.set_stage(_FIRST_STAGE.get(fn, fn))
+        sampler.listeners = [self._watch]
+        self.plot_path = None
+        try:
+            self._timeline = MemoryTimeline(unused_path(directory / f"memory_{fn}_rank{self._rank}.csv"), sampler.keys)
+            self.timeline_path = self._timeline.path
+            sampler.listeners.append(self._timeline)
+        except OSError as err:
+            self.timeline_path = None
+            self._warn_on_this_rank(f"cannot write the memory timeline under {directory}: {err}; it is skipped")
+        self.prometheus_url = None
+        if self.prometheus_port is not None:
+            self._start_exporter(trainer.local_rank, gpus)
+            if self._exporter is not None:
+                sampler.listeners.append(self._exporter)
+        self._sampler = sampler
+        sampler.start()
+
+    @override
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._sampler is not None:
+            self._sampler.set_stage("train", fresh=False)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # Lightning's own decision, so these rows land on the steps its loggers write anyway, once per optimizer step
+        if self._sampler is None or not trainer._logger_connector.should_update_logs:
+            return
+        if pl_module.automatic_optimization and trainer.fit_loop._should_accumulate():
+            return
+        self._log_window(trainer, stage=None)
+
+    @override
+    def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._sampler is not None:
+            self._sampler.set_stage("sanity_check" if trainer.sanity_checking else "validate")
+
+    @override
+    def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._end_stage(trainer, "validate")
+
+    @override
+    def on_test_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._sampler is not None:
+            self._sampler.set_stage("test")
+
+    @override
+    def on_test_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._end_stage(trainer, "test")
+
+    @override
+    def on_predict_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._sampler is not None:
+            self._sampler.set_stage("predict")
+
+    @override
+    def on_predict_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._end_stage(trainer, "predict")
+
+    @override
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        # no plot here: a preempted job's grace period is for the checkpoint, not for matplotlib
+        self._shutdown(print_paths=True, plot=False)
+
+    @override
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self._shutdown(print_paths=True)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        # threads, open files, HTTP servers and process groups cannot travel into spawned workers
+        for name in ("_sampler", "_timeline", "_exporter", "_watch", "_gather_group"):
+            state[name] = None
+        return state
+
+    def _end_stage(self, trainer: "pl.Trainer", stage: str) -> None:
+        if self._sampler is None:
+            return
+        if not trainer.sanity_checking:
+            self._log_window(trainer, stage=stage)
+        if trainer.state.fn == TrainerFn.FITTING:
+            # back to training, whose window still holds the samples from before this validation
+            self._sampler.set_stage("train", fresh=False)
+
+    def _monitored_gpus(self, trainer: "pl.Trainer") -> list[MonitoredGPU]:
+        strategy = trainer.strategy
+        if strategy.root_device.type != "cuda":
+            rank_zero_warn(
+                f"{type(self).__name__}: this run uses no CUDA device ({strategy.root_device}); "
+                "only host memory is monitored."
+            )
+            return []
+        # DataParallel drives every device from one process; every other strategy uses its root device
+        devices = strategy.parallel_devices if isinstance(strategy, DataParallelStrategy) else None
+        indices = [d.index for d in devices] if devices else [strategy.root_device.index or 0]
+        nvml_devices = {}
+        if self._nvml.start():
+            nvml_devices = self._nvml.map_torch_devices(indices, [torch_device_uuid(i) for i in indices])
+        return [MonitoredGPU(f"gpu{slot}", index, nvml_devices.get(index)) for slot, index in enumerate(indices)]
+
+    def _setup_gather(self, trainer: "pl.Trainer") -> None:
+        self._gather_group, self._gather_device = None, torch.device("cpu")
+        if self._world_size < 2 or not (dist.is_available() and dist.is_initialized()):
+            return
+        if dist.get_backend() == "gloo":
+            return
+        group = None
+        try:
+            # a side group on gloo keeps the numbers on the host: no device copy, no stream synchronisation
+            group = dist.new_group(backend="gloo", timeout=getattr(trainer.strategy, "_timeout", None))
+        except Exception as err:
+            self._warn_on_this_rank(f"no gloo side group ({err!r}); the numbers travel through {dist.get_backend()}")
+        # every rank must gather through the same group: fall back together if any rank could not make it
+        created = torch.tensor([1 if group is not None else 0], device=trainer.strategy.root_device)
+        dist.all_reduce(created, op=dist.ReduceOp.MIN)
+        if int(created.item()) == 1:
+            self._gather_group = group
+            return
+        if group is not None:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(group)
+        self._gather_device = trainer.strategy.root_device
+
+    def _start_exporter(self, local_rank: int, gpus: list[MonitoredGPU]) -> None:
+        assert self.prometheus_port is not None
+        port = self.prometheus_port + local_rank if self.prometheus_port else 0
+        exporter = PrometheusExporter(port, self.prometheus_host, self._rank, gpus)
+        try:
+            if port > 65535:
+                raise OverflowError(f"port {self.prometheus_port} + local rank {local_rank} is above 65535")
+            self.prometheus_url = exporter.start()
+            self._exporter = exporter
+        except (OSError, OverflowError) as err:
+            self._warn_on_this_rank(
+                f"cannot serve Prometheus gauges on {self.prometheus_host}:{port}: {err}; training goes on without"
+            )
+
+    def _log_window(self, trainer: "pl.Trainer", stage: str | None) -> None:
+        assert self._sampler is not None
+        if self._world_size > 1 and dist.is_available() and dist.is_initialized():
+            local = self._sampler.window_vector().to(self._gather_device)
+            gathered = [torch.empty_like(local) for _ in range(self._world_size)]
+            dist.all_gather(gathered, local, group=self._gather_group)
+            if self._rank != 0:
+                return
+            metrics = summarize_across_ranks(torch.stack(gathered).cpu(), self._sampler.keys)
+        else:
+            metrics = self._sampler.take_window()
+        if self.metrics is not None:
+            metrics = {key: value for key, value in metrics.items() if _metric_of(key) in self.metrics}
+        prefix = self.log_prefix if stage is None else f"{self.log_prefix}/{stage}"
+        metrics = {f"{prefix}/{key}": value for key, value in metrics.items()}
+        self.last_logged = metrics
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+
+    def _warn_headroom(self, message: str) -> None:
+        warnings.warn(message, MemoryHeadroomWarning, stacklevel=2)
+
+    def _warn_on_this_rank(self, message: str) -> None:
+        prefix = "" if message.startswith(type(self).__name__) else f"{type(self).__name__}: "
+        warnings.warn(f"{prefix}{message} (rank {self._rank})", UserWarning, stacklevel=2)
+
+    def _warn_on_each_node(self, message: str) -> None:
+        # NVML is per machine: one warning per node, so a node without NVML is not hidden behind rank 0's
+        if self._local_rank == 0:
+            warnings.warn(f"{type(self).__name__}: {message} (rank {self._rank})", UserWarning, stacklevel=2)
+
+    def _shutdown(self, print_paths: bool, plot: bool = True) -> None:
+        """Stop everything this stage started; each part on its own, so one failure cannot leak the others."""
+        sampler, timeline, exporter, group = self._sampler, self._timeline, self._exporter, self._gather_group
+        watch = self._watch
+        self._reset_run_state()
+        self._watch = watch
+        if sampler is not None:
+            sampler.stop()
+        if exporter is not None:
+            self.prometheus_url = None
+            try:
+                exporter.stop()
+            except Exception as err:
+                self._warn_on_this_rank(f"stopping the Prometheus endpoint failed: {err!r}")
+        if group is not None:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(group)
+        if timeline is None:
+            return
+        timeline.close()
+        if plot and self.plot and MATPLOTLIB_AVAILABLE:
+            try:
+                self.plot_path = plot_timeline(timeline.path, timeline.path.with_suffix(".png"))
+            except Exception as err:
+                self._warn_on_this_rank(f"plotting {timeline.path} failed: {err!r}; the CSV is complete")
+        if print_paths:
+            written = ", ".join(str(p) for p in (timeline.path, self.plot_path) if p is not None)
+            rank_zero_info(
+                f"{type(self).__name__}: memory timeline of rank 0 written to {written}; other ranks wrote theirs "
+                "beside it"
+            )
+
+
+def _metric_of(key: str) -> str:
+    metric = key.rsplit("/", 1)[1]
+    for statistic in RANK_STATISTICS:
+        if metric.endswith(f"_{statistic}"):
+            return metric[: -len(statistic) - 1]
+    return metric
+
+
+def summarize_across_ranks(gathered: torch.Tensor, keys: list[str]) -> dict[str, float]:
+    """Min, mean, max and the rank holding the max of each key, over a ``[world_size, len(keys)]`` matrix.
+
+    NaN entries (a value a rank could not read) are left out; a key no rank could read is left out entirely.
+    """
+    metrics: dict[str, float] = {}
+    for column, key in enumerate(keys):
+        values = gathered[:, column]
+        known = ~torch.isnan(values)
+        if not bool(known.any()):
+            continue
+        present = values[known]
+        metrics[f"{key}_min"] = float(present.min())
+        metrics[f"{key}_mean"] = float(present.mean())
+        metrics[f"{key}_max"] = float(present.max())
+        metrics[f"{key}_max_rank"] = float(int(torch.where(known, values, -math.inf).argmax()))
+    return metrics
