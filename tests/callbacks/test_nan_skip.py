@@ -8,7 +8,7 @@ import torch
 from lightning.pytorch import Trainer
 
 from lightning_mgpu import GradientClipping, MultiGPUStrategy, NaNSkip, NonFiniteStepsError
-from tests.helpers.models import BatchNormClassifier, RankStateDump, load_rank_dumps
+from tests.helpers.models import BatchNormClassifier, RankStateDump, finished_fits_survive_exit_aborts, load_rank_dumps
 from tests.helpers.processes import run_script
 from tests.helpers.trainer import QUIET
 
@@ -170,7 +170,8 @@ def fit_two(model, tmp_path, callbacks=(), steps=STEPS):
         callbacks=[*callbacks, RankStateDump(tmp_path)],
         **QUIET,
     )
-    trainer.fit(model)
+    with finished_fits_survive_exit_aborts(tmp_path):
+        trainer.fit(model)
     return load_rank_dumps(tmp_path)
 
 

@@ -1,11 +1,16 @@
 """Small models and data for strategy tests, with exact single-process references."""
 
+import contextlib
+import time
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from torch import nn
+from torch.multiprocessing.spawn import ProcessExitedException
 from torch.utils.data import DataLoader, TensorDataset
 
 IN_FEATURES, HIDDEN, CLASSES = 12, 16, 4
@@ -149,6 +154,25 @@ class RankStateDump(pl.Callback):
             "skipped_steps": next((c.skipped_steps for c in trainer.callbacks if hasattr(c, "skipped_steps")), None),
         }
         torch.save(state, Path(self.directory) / f"rank{trainer.global_rank}.pt")
+
+
+@contextlib.contextmanager
+def finished_fits_survive_exit_aborts(directory: str | Path, world_size: int = 2) -> Iterator[None]:
+    """Let a ``ddp_spawn`` fit through when a worker aborted in interpreter teardown after every rank finished.
+
+    gloo occasionally aborts a spawned worker as it exits ("terminate called without an active exception", a
+    background thread destroyed while joinable), after ``on_fit_end`` wrote the rank's dump. The run's results are
+    in the dumps, which the test still checks; any other failure, or an abort before every dump exists, is raised.
+    """
+    started = time.time()
+    try:
+        yield
+    except ProcessExitedException as err:
+        dumps = [Path(directory) / f"rank{r}.pt" for r in range(world_size)]
+        finished = all(dump.is_file() and dump.stat().st_mtime >= started - 1 for dump in dumps)
+        if err.signal_name != "SIGABRT" or not finished:
+            raise
+        warnings.warn(f"ignored a worker abort at exit after every rank finished: {err}", RuntimeWarning, stacklevel=2)
 
 
 def load_rank_dumps(directory: str | Path, world_size: int = 2) -> list[dict[str, Any]]:

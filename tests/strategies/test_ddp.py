@@ -8,7 +8,7 @@ from lightning.pytorch import Callback, Trainer
 from torch import nn
 
 from lightning_mgpu import DistributedBatchNorm, MultiGPUStrategy
-from tests.helpers.models import BatchNormClassifier, RankStateDump, load_rank_dumps
+from tests.helpers.models import BatchNormClassifier, RankStateDump, finished_fits_survive_exit_aborts, load_rank_dumps
 from tests.helpers.trainer import QUIET
 
 pytestmark = pytest.mark.distributed
@@ -26,7 +26,8 @@ def fit_two_processes(model, tmp_path, steps, trainer_sync_batchnorm=False, **st
         callbacks=[RankStateDump(tmp_path)],
         **QUIET,
     )
-    trainer.fit(model)
+    with finished_fits_survive_exit_aborts(tmp_path):
+        trainer.fit(model)
     return load_rank_dumps(tmp_path)
 
 
