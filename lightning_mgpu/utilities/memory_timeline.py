@@ -67,12 +67,6 @@ def unused_path(path: str | Path) -> Path:
     return candidate
 
 
-def read_timeline(path: str | Path) -> list[dict[str, str]]:
-    """The rows of a timeline CSV, as strings."""
-    with open(path, newline="") as file:
-        return list(csv.DictReader(file))
-
-
 def plot_timeline(csv_path: str | Path, png_path: str | Path, max_points: int = 4000) -> Path:
     """Plot memory over steps from a timeline CSV, one line per device, each stage's peak marked.
 

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-_MIB = float(2**20)
+from lightning_mgpu.utilities.host_memory import MIB
+
 _LEGACY_MIG = re.compile(r"^MIG-GPU-(?P<gpu>[^/]+)/(?P<gi>\d+)/(?P<ci>\d+)$")
 _FIX = (
     "set CUDA_DEVICE_ORDER=PCI_BUS_ID so CUDA numbers GPUs like NVML, name devices by UUID in "
@@ -198,9 +199,9 @@ class NVMLSession:
         temperature = self._query("temperature", current, lib.nvmlDeviceGetTemperature, board, lib.NVML_TEMPERATURE_GPU)
         power = self._query("power", current, lib.nvmlDeviceGetPowerUsage, board)
         return DeviceReading(
-            memory_total_mb=None if memory is None else memory.total / _MIB,
-            memory_free_mb=None if memory is None else memory.free / _MIB,
-            memory_used_mb=None if memory is None else memory.used / _MIB,
+            memory_total_mb=None if memory is None else memory.total / MIB,
+            memory_free_mb=None if memory is None else memory.free / MIB,
+            memory_used_mb=None if memory is None else memory.used / MIB,
             utilization_pct=None if utilization is None else float(utilization.gpu),
             temperature_c=None if temperature is None else float(temperature),
             power_w=None if power is None else power / 1000.0,
