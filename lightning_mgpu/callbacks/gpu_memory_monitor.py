@@ -17,6 +17,7 @@ from typing_extensions import override
 
 from lightning_mgpu._imports import MATPLOTLIB_AVAILABLE, PROMETHEUS_AVAILABLE
 from lightning_mgpu.strategies.data_parallel import DataParallelStrategy
+from lightning_mgpu.utilities.host_group import host_side_group
 from lightning_mgpu.utilities.memory_headroom import HeadroomWatch
 from lightning_mgpu.utilities.memory_sampler import GPU_METRICS, HOST_METRICS, MemorySampler, MonitoredGPU
 from lightning_mgpu.utilities.memory_timeline import MemoryTimeline, plot_timeline, unused_path
@@ -313,24 +314,10 @@ class GPUMemoryMonitor(Callback):
         self._gather_group, self._gather_device = None, torch.device("cpu")
         if self._world_size < 2 or not (dist.is_available() and dist.is_initialized()):
             return
-        if dist.get_backend() == "gloo":
-            return
-        group = None
-        try:
-            # a side group on gloo keeps the numbers on the host: no device copy, no stream synchronisation
-            group = dist.new_group(backend="gloo", timeout=getattr(trainer.strategy, "_timeout", None))
-        except Exception as err:
-            self._warn_on_this_rank(f"no gloo side group ({err!r}); the numbers travel through {dist.get_backend()}")
-        # every rank must gather through the same group: fall back together if any rank could not make it
-        created = torch.tensor([1 if group is not None else 0], device=trainer.strategy.root_device)
-        dist.all_reduce(created, op=dist.ReduceOp.MIN)
-        if int(created.item()) == 1:
-            self._gather_group = group
-            return
-        if group is not None:
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group(group)
-        self._gather_device = trainer.strategy.root_device
+        # a side group on gloo keeps the numbers on the host: no device copy, no stream synchronisation
+        self._gather_group, self._gather_device = host_side_group(
+            trainer.strategy.root_device, getattr(trainer.strategy, "_timeout", None), self._warn_on_this_rank
+        )
 
     def _start_exporter(self, local_rank: int, gpus: list[MonitoredGPU]) -> None:
         assert self.prometheus_port is not None

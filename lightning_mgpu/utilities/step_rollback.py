@@ -1,0 +1,80 @@
+"""Undo what a failed step did to a model as a side effect: normalization running statistics and metric states."""
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _NormBase
+from torchmetrics import Metric
+
+
+class StepRollback:
+    """Save the state a forward pass changes as a side effect, and put it back after a failed attempt.
+
+    Covers the running statistics of every BatchNorm / InstanceNorm layer that tracks them, and the states of every
+    ``torchmetrics.Metric`` that is a submodule (so ``update`` calls of an attempt that ran out of memory do not
+    count). State held anywhere else (a Python counter, a list on the module) cannot be seen and is not restored.
+
+    Saving copies a few small tensors per layer into buffers allocated once (one ``_foreach_copy_`` launch on a
+    GPU); restoring copies them back.
+
+    Args:
+        module: the model whose side-effect state is saved.
+
+    Example::
+
+        rollback = StepRollback(model)
+        rollback.save()
+        try:
+            loss = model(batch).mean()
+        except torch.OutOfMemoryError:
+            rollback.restore()
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self._norms = [m for m in module.modules() if isinstance(m, _NormBase) and m.track_running_stats]
+        self._buffers: list[Tensor] = []
+        self._copies: list[Tensor] | None = None
+        self._metrics: list[Metric] = [m for m in module.modules() if isinstance(m, Metric)]
+        self._metric_states: list[dict[str, Any]] = []
+
+    def save(self) -> None:
+        """Remember the current statistics and metric states."""
+        # read the buffers again each time: moving the model to a device or a dtype replaces them
+        self._buffers = [
+            buffer
+            for norm in self._norms
+            for buffer in (norm.running_mean, norm.running_var, norm.num_batches_tracked)
+            if buffer is not None
+        ]
+        if self._buffers:
+            copies = self._copies
+            if copies is None or len(copies) != len(self._buffers) or _moved(copies, self._buffers):
+                self._copies = [torch.empty_like(b) for b in self._buffers]
+            with torch.no_grad():
+                torch._foreach_copy_(self._copies, self._buffers)
+        self._metric_states = [_metric_state(metric) for metric in self._metrics]
+
+    def restore(self) -> None:
+        """Put back what :meth:`save` remembered."""
+        if self._buffers and self._copies is not None:
+            with torch.no_grad():
+                torch._foreach_copy_(self._buffers, self._copies)
+        for metric, state in zip(self._metrics, self._metric_states, strict=False):
+            for name, value in state["states"].items():
+                # a copy: the metric updates its states in place, and the snapshot may be restored again
+                setattr(metric, name, list(value) if isinstance(value, list) else value.clone())
+            metric._update_count = state["update_count"]
+            metric._computed = state["computed"]
+
+
+def _moved(copies: list[Tensor], buffers: list[Tensor]) -> bool:
+    return any(c.device != b.device or c.dtype != b.dtype for c, b in zip(copies, buffers, strict=True))
+
+
+def _metric_state(metric: Metric) -> dict[str, Any]:
+    states: dict[str, Any] = {}
+    for name, value in metric.metric_state.items():
+        # list states ("cat" reduction) only grow by appends: a shallow copy of the list is enough
+        states[name] = list(value) if isinstance(value, list) else value.detach().clone()
+    return {"states": states, "update_count": metric._update_count, "computed": metric._computed}
