@@ -10,6 +10,8 @@ from lightning_mgpu.callbacks import (
     MemoryHeadroomWarning,
     NaNSkip,
     NonFiniteStepsError,
+    OOMBackoff,
+    OOMRecoveryError,
 )
 from lightning_mgpu.strategies import (
     DataParallelStrategy,
@@ -37,6 +39,8 @@ __all__ = [
     "MultiGPUStrategy",
     "NaNSkip",
     "NonFiniteStepsError",
+    "OOMBackoff",
+    "OOMRecoveryError",
     "SingleDeviceStrategy",
     "StrategyChoice",
     "__version__",

@@ -3,5 +3,14 @@
 from lightning_mgpu.callbacks.gpu_memory_monitor import GPUMemoryMonitor, MemoryHeadroomWarning
 from lightning_mgpu.callbacks.gradient_clipping import GradientClipping
 from lightning_mgpu.callbacks.nan_skip import NaNSkip, NonFiniteStepsError
+from lightning_mgpu.callbacks.oom_backoff import OOMBackoff, OOMRecoveryError
 
-__all__ = ["GPUMemoryMonitor", "GradientClipping", "MemoryHeadroomWarning", "NaNSkip", "NonFiniteStepsError"]
+__all__ = [
+    "GPUMemoryMonitor",
+    "GradientClipping",
+    "MemoryHeadroomWarning",
+    "NaNSkip",
+    "NonFiniteStepsError",
+    "OOMBackoff",
+    "OOMRecoveryError",
+]

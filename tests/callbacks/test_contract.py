@@ -8,7 +8,7 @@ import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from lightning_mgpu import GPUMemoryMonitor, GradientClipping, NaNSkip
+from lightning_mgpu import GPUMemoryMonitor, GradientClipping, NaNSkip, OOMBackoff
 
 CALLBACKS = {
     "clip_norm": lambda: GradientClipping(mode="norm", max_norm=1.0),
@@ -17,6 +17,7 @@ CALLBACKS = {
     "clip_zscore": lambda: GradientClipping(mode="zscore", warmup_steps=2),
     "nan_skip": lambda: NaNSkip(max_consecutive=3),
     "gpu_memory_monitor": lambda: GPUMemoryMonitor(sample_hz=20, prometheus_port=0),
+    "oom_backoff": lambda: OOMBackoff(probe_up_after=2),
 }
 
 

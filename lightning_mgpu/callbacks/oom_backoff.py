@@ -1,0 +1,434 @@
+"""Recover from out-of-memory errors in the middle of ``fit``: back the micro-batch off and keep training."""
+
+import math
+from collections.abc import Callable
+from typing import Any, Literal, get_args
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.nn.modules.batchnorm import SyncBatchNorm
+from typing_extensions import override
+
+from lightning_mgpu.callbacks._oom_training import MicroBatchTrainer, _BackoffOptimization
+from lightning_mgpu.callbacks._step_logs import LoggedCall, capture_logs, replay_logs
+from lightning_mgpu.utilities.batch_split import batch_size_of, combine_outputs, split_batch
+from lightning_mgpu.utilities.distributed_batchnorm import DistributedBatchNorm
+from lightning_mgpu.utilities.oom import is_out_of_memory, memory_summary, release_memory
+from lightning_mgpu.utilities.step_rollback import StepRollback
+
+LossReduction = Literal["mean", "sum"]
+LOSS_REDUCTIONS: tuple[str, ...] = get_args(LossReduction)
+EVAL_STEPS = ("validation_step", "test_step", "predict_step")
+
+
+class OOMRecoveryError(RuntimeError):
+    """Raised by :class:`OOMBackoff`, on every rank, when an out-of-memory error cannot be recovered from."""
+
+
+class OOMBackoff(Callback):
+    """Recover from out-of-memory errors during ``fit``: retry the batch in smaller micro-batches, on every rank.
+
+    When a training step runs out of memory, the memory is released (the failed attempt's activations are freed
+    with the exception's frames, then the allocator's cached blocks) and the same batch is run again as smaller
+    micro-batches whose gradients are accumulated. The samples, the effective batch size and the number of
+    optimizer steps do not change, so the optimization is the one asked for, up to float rounding (BatchNorm layers
+    do see smaller batches, as with any gradient accumulation). Later batches use the micro-batch size that worked.
+    The loss is taken to be a mean over the batch's samples (``loss_reduction="sum"`` for a sum).
+
+    Detection is by exception type (``torch.OutOfMemoryError``), then by the messages of the allocation failures
+    torch raises as ``RuntimeError`` (CUDA, HIP, cuDNN, cuBLAS, the CPU allocator). Errors that leave the CUDA
+    context unusable (an illegal memory access) and every other error propagate unchanged.
+
+    **Distributed.** Micro-batches run under DDP's ``no_sync()``; the ranks then agree through one small all-reduce
+    on the host (a gloo side group under NCCL) and the gradients are averaged once, in buckets. No gradient
+    collective is ever in flight while a rank may still run out of memory, so an OOM in the forward or the backward
+    on one rank cannot deadlock the others. Every rank adopts the same smaller micro-batch. A rank whose own
+    attempt succeeded keeps it: only the rank that ran out of memory recomputes the samples it had not finished.
+    The cost: DDP's overlap of the gradient all-reduce with the backward, and its communication hooks, are not
+    used while this callback is on (a warning says so if a hook is registered).
+
+    **What cannot be recovered fails on every rank at once.** An OOM at ``min_micro_batch_size`` (or on a batch
+    with no tensor to split) raises :class:`OOMRecoveryError` with a memory summary. An OOM inside
+    ``optimizer.step`` (some ranks may have updated their parameters, others not) raises
+    :class:`OOMRecoveryError` on every rank right after the step, through a second small host all-reduce per
+    optimizer step, before any rank can go on to a checkpoint or another collective. An error that is not an OOM
+    is re-raised on its rank and the other ranks stop with :class:`OOMRecoveryError`, instead of waiting out the
+    collective timeout.
+
+    **Memory:** while a batch accumulates over several micro-batches (and on the later batches of an
+    ``accumulate_grad_batches`` window) the gradients gathered so far are set aside during each backward, so that
+    a backward that fails half-way can be undone: gradient memory is twice the parameters' for that time.
+
+    **Side effects of a failed attempt are undone**: BatchNorm running statistics and the states of torchmetrics
+    metrics that are submodules are restored, and ``self.log`` calls are held back and logged once per batch (a
+    mean weighted by the micro-batches' samples; ``reduce_fx`` ``"sum"``/``"max"``/``"min"`` honoured). State kept
+    elsewhere (a Python counter) sees the failed attempt's samples again on the rank that ran out of memory.
+
+    **Validation, test, predict**: an OOM splits the batch; the outputs are concatenated (scalars averaged by
+    samples) and the logged values combined, so metrics and predictions are unchanged. The evaluation micro-batch
+    size is separate from the training one.
+
+    Requirements: automatic optimization; single device, DataParallel or DDP; a ``training_step`` without
+    collectives of its own (synchronized BatchNorm under several processes is refused, because ranks running
+    different numbers of micro-batches would call it a different number of times).
+
+    Logged keys, on the steps Lightning's loggers write: ``oom/micro_batch_size`` (samples; the batch size until the
+    first backoff) and ``oom/recoveries`` (count since the start of training). One line is printed on rank 0 for
+    each backoff. The micro-batch size and counters are saved in checkpoints and used after resuming.
+
+    Args:
+        min_micro_batch_size: the smallest micro-batch to back off to; an OOM at this size is not recovered.
+        keep_effective_batch: ``True`` keeps the batch the optimizer sees through accumulation. ``False`` instead
+            reduces the batch size itself from the next epoch on (the rest of the current epoch accumulates, so no
+            sample is lost): the model's or datamodule's ``batch_arg_name`` attribute is set and the train
+            dataloader rebuilt. This changes the optimization: more, noisier optimizer steps per epoch; scale the
+            learning rate (linearly with the batch size is the usual rule) and note that step-based schedules
+            stretch.
+        probe_up_after: after this many batches without an OOM, try twice the micro-batch size (up to the whole
+            batch); a failed probe goes back to the size that worked and doubles the wait. ``None`` never probes.
+        batch_arg_name: the attribute holding the loader's batch size, for ``keep_effective_batch=False``.
+        loss_reduction: ``"mean"`` if the loss is a mean over the batch's samples, ``"sum"`` if it is a sum.
+        recover_eval: also split validation, test and predict batches that run out of memory.
+
+    Raises:
+        OOMRecoveryError: as above.
+
+    Example::
+
+        trainer = Trainer(strategy="mgpu", callbacks=[OOMBackoff(min_micro_batch_size=2)])
+    """
+
+    def __init__(
+        self,
+        min_micro_batch_size: int = 1,
+        keep_effective_batch: bool = True,
+        probe_up_after: int | None = None,
+        batch_arg_name: str = "batch_size",
+        loss_reduction: LossReduction = "mean",
+        recover_eval: bool = True,
+    ) -> None:
+        name = type(self).__name__
+        if isinstance(min_micro_batch_size, bool) or not isinstance(min_micro_batch_size, int):
+            raise TypeError(f"{name}: min_micro_batch_size must be an int, got {min_micro_batch_size!r}")
+        if min_micro_batch_size < 1:
+            raise ValueError(f"{name}: min_micro_batch_size must be at least 1 sample, got {min_micro_batch_size}")
+        if probe_up_after is not None and (
+            isinstance(probe_up_after, bool) or not isinstance(probe_up_after, int) or probe_up_after < 1
+        ):
+            raise ValueError(
+                f"{name}: probe_up_after must be a positive int (batches), got {probe_up_after!r}; use None to never"
+                " probe back up"
+            )
+        if probe_up_after is not None and not keep_effective_batch:
+            raise ValueError(
+                f"{name}: probe_up_after={probe_up_after} needs keep_effective_batch=True; with False the batch size"
+                " itself is reduced and is not probed back up"
+            )
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"{name}: loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
+        if not isinstance(batch_arg_name, str) or not batch_arg_name:
+            raise ValueError(f"{name}: batch_arg_name must be a non-empty attribute name, got {batch_arg_name!r}")
+        self.min_micro_batch_size = min_micro_batch_size
+        self.keep_effective_batch = keep_effective_batch
+        self.probe_up_after = probe_up_after
+        self.batch_arg_name = batch_arg_name
+        self.loss_reduction = loss_reduction
+        self.recover_eval = recover_eval
+
+        self.micro_batch_size: int | None = None
+        self.eval_micro_batch_size: int | None = None
+        self.recoveries = 0
+        self.last_batch_size = 0
+        self._good_batches = 0
+        self._probe_wait = probe_up_after
+        self._probe_size: int | None = None
+        self._loader_batch_size: int | None = None
+        self._runner: MicroBatchTrainer | None = None
+        self._loop: _BackoffOptimization | None = None
+        self._trainer: pl.Trainer | None = None
+        self._eval_wrappers: dict[str, Callable[..., Any]] = {}
+        self._eval_rollback: StepRollback | None = None
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+    @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self._trainer = trainer
+        if stage == "fit" and not pl_module.automatic_optimization:
+            raise MisconfigurationException(
+                f"{type(self).__name__} needs automatic optimization: with `automatic_optimization = False` the"
+                " training_step runs backward and the optimizer itself, so it cannot be split into micro-batches."
+                " Remove the callback or use automatic optimization."
+            )
+        if not self.keep_effective_batch and stage == "fit" and not lightning_hasattr(pl_module, self.batch_arg_name):
+            raise MisconfigurationException(
+                f"{type(self).__name__}(keep_effective_batch=False) sets the loader's batch size through the attribute"
+                f" batch_arg_name={self.batch_arg_name!r}, which neither the model, its hparams nor the datamodule"
+                " has. Add it (and use it in the train dataloader) or pass the attribute's name."
+            )
+        if self.recover_eval:
+            self._install_eval_wrappers(trainer, pl_module)
+
+    @override
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._check_strategy(trainer, pl_module)
+        if self._loader_batch_size is not None:
+            # restored from a checkpoint of a run whose batch size was reduced: the loader is built after this hook
+            lightning_setattr(pl_module, self.batch_arg_name, self._loader_batch_size)
+        self._runner = MicroBatchTrainer(self, trainer)
+        epoch_loop = trainer.fit_loop.epoch_loop
+        self._loop = _BackoffOptimization(trainer, self._runner, epoch_loop.automatic_optimization)
+        epoch_loop.automatic_optimization = self._loop
+
+    @override
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self._restore(trainer)
+
+    @override
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        # Lightning skips teardown when fit raises: leave nothing of ours on the trainer
+        self._restore(trainer)
+
+    def _restore(self, trainer: "pl.Trainer") -> None:
+        if self._loop is not None:
+            epoch_loop = trainer.fit_loop.epoch_loop
+            if epoch_loop.automatic_optimization is self._loop:
+                epoch_loop.automatic_optimization = self._loop.replaced
+            self._loop = None
+        if self._runner is not None:
+            self._runner.close()
+            self._runner = None
+        strategy = trainer.strategy
+        for hook_name, wrapper in self._eval_wrappers.items():
+            if strategy.__dict__.get(hook_name) is wrapper:
+                delattr(strategy, hook_name)
+        self._eval_wrappers = {}
+
+    # ------------------------------------------------------------------------ points where every rank meets
+    @override
+    def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._runner is not None:
+            self._runner.check_peers("before validation")
+
+    @override
+    def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict) -> None:
+        if self._runner is not None:
+            self._runner.check_peers("instead of saving a checkpoint")
+
+    @override
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._runner is not None:
+            self._runner.check_peers("at the end of training")
+
+    @override
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # the step counter already moved on: ask the logger connector whether this step's metrics are written
+        if trainer._logger_connector.should_update_logs:
+            size = self.micro_batch_size if self.micro_batch_size is not None else self.last_batch_size
+            pl_module.log("oom/micro_batch_size", float(size), on_step=True, on_epoch=False)
+            pl_module.log("oom/recoveries", float(self.recoveries), on_step=True, on_epoch=False)
+
+    @override
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.keep_effective_batch or self.micro_batch_size is None:
+            return
+        if self._loader_batch_size == self.micro_batch_size:
+            return
+        self._loader_batch_size = self.micro_batch_size
+        lightning_setattr(pl_module, self.batch_arg_name, self._loader_batch_size)
+        trainer.fit_loop._combined_loader = None  # rebuilt with the new batch size when the next epoch starts
+        rank_zero_info(
+            f"{type(self).__name__}: the train dataloader's batch size is now {self._loader_batch_size}"
+            f" ({self.batch_arg_name}); optimizer steps see the smaller batch from this epoch on."
+        )
+
+    # ---------------------------------------------------------------------------------- checkpointing
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "micro_batch_size": self.micro_batch_size,
+            "eval_micro_batch_size": self.eval_micro_batch_size,
+            "recoveries": self.recoveries,
+            "good_batches": self._good_batches,
+            "probe_wait": self._probe_wait,
+            "loader_batch_size": self._loader_batch_size,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.micro_batch_size = state_dict.get("micro_batch_size")
+        self.eval_micro_batch_size = state_dict.get("eval_micro_batch_size")
+        self.recoveries = int(state_dict.get("recoveries", 0))
+        self._good_batches = int(state_dict.get("good_batches", 0))
+        self._probe_wait = state_dict.get("probe_wait", self.probe_up_after)
+        self._loader_batch_size = state_dict.get("loader_batch_size")
+
+    # ------------------------------------------------------------- decisions the training runner asks for
+    def _size_for_batch(self, total: int) -> tuple[int, bool]:
+        """The micro-batch size to start this batch with, and whether it is a probe upwards."""
+        self.last_batch_size = total
+        self._probe_size = None
+        if self.micro_batch_size is None:
+            return total, False
+        if self._probe_wait is not None and self._good_batches >= self._probe_wait and self.micro_batch_size < total:
+            self._probe_size = min(total, 2 * self.micro_batch_size)
+            return self._probe_size, True
+        return min(self.micro_batch_size, total), False
+
+    def _smaller_size(self, size: int, probing: bool) -> int | None:
+        """The size to propose after this rank ran out of memory at ``size``; ``None`` below the floor."""
+        if probing and self.micro_batch_size is not None:
+            return self.micro_batch_size
+        if size <= self.min_micro_batch_size:
+            return None
+        return max(self.min_micro_batch_size, size // 2)
+
+    def _backed_off(self, old: int, new: int, oom_rank: int, total: int, probing: bool) -> None:
+        """Adopt the size every rank agreed on. Called on every rank with the same arguments."""
+        name = type(self).__name__
+        step = self._trainer.global_step if self._trainer is not None else 0
+        self._good_batches = 0
+        self.micro_batch_size = new
+        if probing:
+            self._probe_wait = 2 * (self._probe_wait or 1)
+            rank_zero_info(
+                f"{name}: probing micro-batch size {old} ran out of memory on rank {oom_rank} (step {step}); back to"
+                f" {new}, next probe after {self._probe_wait} batches."
+            )
+            return
+        self.recoveries += 1
+        per_batch = math.ceil(total / new)
+        consequence = (
+            "the effective batch size is unchanged"
+            if self.keep_effective_batch
+            else "the batch size itself becomes this size from the next epoch"
+        )
+        rank_zero_info(
+            f"{name}: rank {oom_rank} ran out of memory at micro-batch size {old} (step {step}, a batch of {total});"
+            f" micro-batch size {old} -> {new} ({per_batch} micro-batches per batch); {consequence}."
+        )
+
+    def _batch_succeeded(self, probing: bool) -> None:
+        if probing and self._probe_size is not None:
+            self.micro_batch_size = None if self._probe_size >= self.last_batch_size else self._probe_size
+            rank_zero_info(
+                f"{type(self).__name__}: probed the micro-batch size up to {self._probe_size} without running out"
+                " of memory."
+            )
+            self._good_batches = 0
+            return
+        if self.micro_batch_size is not None:
+            self._good_batches += 1
+
+    def _floor_message(self, rank: int, size: int, total: int, description: str) -> str:
+        device = self._trainer.strategy.root_device if self._trainer is not None else None
+        return (
+            f"{type(self).__name__}: rank {rank} ran out of memory with a micro-batch of {size} samples (a batch of"
+            f" {total}), and min_micro_batch_size={self.min_micro_batch_size} allows no smaller one.\n"
+            f"{description}\n{memory_summary(device)}\n"
+            "Lower the memory one sample needs (mixed precision, activation checkpointing, a smaller model or"
+            " sequence) or lower min_micro_batch_size."
+        )
+
+    def _optimizer_step_message(self, rank: int, description: str) -> str:
+        device = self._trainer.strategy.root_device if self._trainer is not None else None
+        step = self._trainer.global_step if self._trainer is not None else 0
+        return (
+            f"{type(self).__name__}: rank {rank} ran out of memory inside the optimizer step (step {step}), after"
+            " its gradients were complete. Smaller micro-batches do not help here: the optimizer's own memory (its"
+            " state, such as Adam's moments allocated at the first step) did not fit, and ranks may have updated"
+            f" their parameters differently, so every rank stops.\n{description}\n{memory_summary(device)}"
+        )
+
+    # ----------------------------------------------------------------------------------------- checks
+    def _check_strategy(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        name = type(self).__name__
+        runner_model = trainer.strategy.model
+        if trainer.world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            if not isinstance(runner_model, DistributedDataParallel):
+                raise MisconfigurationException(
+                    f"{name} supports single-device, DataParallel and DDP training; with {trainer.world_size}"
+                    f" processes it needs the model wrapped in DistributedDataParallel, but"
+                    f" {type(trainer.strategy).__name__} wraps it in {type(runner_model).__name__}."
+                )
+            synced = [m for m in pl_module.modules() if isinstance(m, (SyncBatchNorm, DistributedBatchNorm))]
+            if synced:
+                raise MisconfigurationException(
+                    f"{name} cannot back off a model with synchronized BatchNorm ({type(synced[0]).__name__}) under"
+                    " several processes: a rank running more micro-batches than the others would call its"
+                    " collective more often and hang. Turn sync_batchnorm off or remove the callback."
+                )
+            if getattr(runner_model, "_comm_hooks", None):
+                rank_zero_warn(
+                    f"{name}: the DDP communication hook registered on the model is bypassed; gradients are averaged"
+                    " in full precision after the local backward passes."
+                )
+
+    # ------------------------------------------------------------------------------------------- evaluation
+    def _install_eval_wrappers(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # the strategy's step methods are wrapped, not the module's: Lightning's checks of what the user overrode,
+        # and DataParallel's replicas (copies of the module), see the module as the user wrote it
+        self._eval_rollback = None  # built at the first evaluation step, after configure_model and the device move
+        strategy = trainer.strategy
+        for hook_name in EVAL_STEPS:
+            if hook_name in self._eval_wrappers or hook_name in strategy.__dict__:
+                continue
+            original = getattr(strategy, hook_name)
+
+            def wrapper(*args: Any, _hook: str = hook_name, _original: Callable = original, **kwargs: Any) -> Any:
+                return self._evaluation_step(pl_module, _hook, _original, *args, **kwargs)
+
+            setattr(strategy, hook_name, wrapper)
+            self._eval_wrappers[hook_name] = wrapper
+
+    def _evaluation_step(
+        self, pl_module: "pl.LightningModule", hook_name: str, original: Callable, batch: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        try:
+            total = batch_size_of(batch)
+        except ValueError:
+            return original(batch, *args, **kwargs)
+        size = min(self.eval_micro_batch_size or total, total)
+        if self._eval_rollback is None:
+            self._eval_rollback = StepRollback(pl_module)
+        rollback = self._eval_rollback
+        while True:
+            pieces = split_batch(batch, size)
+            outputs: list[Any] = []
+            logs: list[LoggedCall] = []
+            if rollback is not None:
+                rollback.save()
+            try:
+                for piece, samples in pieces:
+                    with capture_logs(pl_module, logs, samples):
+                        outputs.append(original(piece, *args, **kwargs))
+                break
+            except Exception as err:
+                if rollback is not None:
+                    rollback.restore()
+                if not is_out_of_memory(err):
+                    raise
+                if size <= self.min_micro_batch_size:
+                    device = self._trainer.strategy.root_device if self._trainer is not None else None
+                    raise OOMRecoveryError(
+                        f"{type(self).__name__}: {hook_name} ran out of memory with a micro-batch of {size} samples,"
+                        f" and min_micro_batch_size={self.min_micro_batch_size} allows no smaller one.\n"
+                        f"{memory_summary(device)}"
+                    ) from err
+            # outside the except block: the failed attempt's frames, and the activations they hold, are gone
+            del outputs
+            release_memory()
+            old, size = size, max(self.min_micro_batch_size, size // 2)
+            self.eval_micro_batch_size = size
+            rank_zero_info(
+                f"{type(self).__name__}: {hook_name} ran out of memory at micro-batch size {old};"
+                f" evaluation micro-batch size {old} -> {size} (training's is unchanged)."
+            )
+        replay_logs(pl_module, logs, hook_name)
+        return combine_outputs(outputs, [samples for _, samples in pieces])

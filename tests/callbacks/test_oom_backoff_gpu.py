@@ -1,0 +1,71 @@
+"""OOMBackoff with real CUDA out-of-memory errors: the process is limited with
+``torch.cuda.set_per_process_memory_fraction`` so that a full batch does not fit and half of it does."""
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_mgpu import OOMBackoff
+from tests.helpers.runif import cuda_gpus
+from tests.helpers.trainer import QUIET
+
+pytestmark = pytest.mark.cuda
+
+BATCH = 64
+WIDTH = 8192
+
+
+class WideActivations(LightningModule):
+    """Activations of about BATCH x WIDTH x WIDTH/64 floats per layer: memory grows with the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(
+            nn.Linear(256, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 1)
+        )
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        # widen the activation per sample on purpose: (B, 64, WIDTH) floats through the hidden layers
+        hidden = self.net[:4](x.unsqueeze(1).expand(-1, 64, -1))
+        return nn.functional.mse_loss(self.net[4](hidden).mean(1), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(4 * BATCH, 256, generator=g), torch.randn(4 * BATCH, 1, generator=g))
+        return DataLoader(data, batch_size=BATCH)
+
+
+def activation_bytes(samples: int) -> int:
+    return samples * 64 * WIDTH * 4 * 4  # four (B, 64, WIDTH) float tensors live for the backward
+
+
+@cuda_gpus(1)
+def test_a_real_cuda_oom_is_recovered_and_training_finishes(tmp_path):
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    params = (256 * WIDTH + WIDTH * WIDTH + WIDTH) * 4 * 3  # weights, grads and slack
+    budget = params + int(0.75 * activation_bytes(BATCH))  # a full batch cannot fit, half a batch can
+    torch.cuda.set_per_process_memory_fraction(min(0.95, budget / total), 0)
+    try:
+        backoff = OOMBackoff()
+        trainer = Trainer(
+            accelerator="cuda", devices=1, max_epochs=1, callbacks=[backoff], default_root_dir=tmp_path, **QUIET
+        )
+        trainer.fit(WideActivations())
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+    assert trainer.global_step == 4
+    assert backoff.recoveries >= 1
+    assert backoff.micro_batch_size is not None and backoff.micro_batch_size < BATCH
+    print(
+        f"device={torch.cuda.get_device_name(0)} budget={budget / 2**30:.2f} GiB"
+        f" micro_batch_size={backoff.micro_batch_size} recoveries={backoff.recoveries}"
+        f" max_allocated={torch.cuda.max_memory_allocated(0) / 2**30:.2f} GiB"
+    )

@@ -1,0 +1,90 @@
+"""A 2-process CPU fit run as a script, with out-of-memory errors injected on some ranks only.
+
+Each rank saves what the tests compare in ``<out>/rank<r>.pt``: parameters, the micro-batch size, the recoveries,
+the sample indices its steps saw, and the exception that ended its fit (if any), with the seconds it took.
+
+    python tests/helpers/oom_fit.py --out /tmp/x --inject forward --rank 1
+    python tests/helpers/oom_fit.py --out /tmp/ref --inject none --batch-size 4 --accumulate 2 --no-backoff
+"""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch
+from lightning.pytorch import Callback, Trainer
+
+from lightning_mgpu import MultiGPUStrategy, OOMBackoff
+from tests.helpers.oom_models import IndexedRegression
+from tests.helpers.trainer import QUIET
+
+
+class SaveRankState(Callback):
+    def __init__(self, out: Path, backoff: OOMBackoff | None) -> None:
+        self.out, self.backoff, self.start = out, backoff, time.monotonic()
+        self.exception: dict | None = None
+
+    def on_exception(self, trainer, pl_module, exception):
+        self.exception = {"type": type(exception).__name__, "message": str(exception)}
+        self._save(trainer, pl_module)
+
+    def on_fit_end(self, trainer, pl_module):
+        self._save(trainer, pl_module)
+
+    def _save(self, trainer, pl_module):
+        state = {
+            "params": {k: v.detach().clone() for k, v in pl_module.state_dict().items() if "metric" not in k},
+            "micro_batch_size": self.backoff.micro_batch_size if self.backoff else None,
+            "recoveries": self.backoff.recoveries if self.backoff else 0,
+            "seen": pl_module.seen,
+            "epoch_indices": pl_module.epoch_indices,
+            "exception": self.exception,
+            "seconds": time.monotonic() - self.start,
+            "global_step": trainer.global_step,
+        }
+        torch.save(state, self.out / f"rank{trainer.global_rank}.pt")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--inject", choices=["none", "forward", "backward", "step"], default="forward")
+    parser.add_argument("--rank", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--no-backoff", action="store_true")
+    parser.add_argument("--step-oom-at", type=int, default=3)
+    parser.add_argument("--max-steps", type=int, default=-1)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = IndexedRegression(
+        num_samples=32,
+        batch_size=args.batch_size,
+        oom_above=4 if args.inject in ("forward", "backward") else None,
+        oom_in=args.inject if args.inject in ("forward", "backward") else "forward",
+        oom_ranks=(args.rank,),
+        step_oom_at=args.step_oom_at if args.inject == "step" else None,
+    )
+    backoff = None if args.no_backoff else OOMBackoff()
+    callbacks = [SaveRankState(args.out, backoff)] + ([backoff] if backoff else [])
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=MultiGPUStrategy(mode="ddp"),
+        max_epochs=2,
+        max_steps=args.max_steps,
+        accumulate_grad_batches=args.accumulate,
+        limit_val_batches=0,
+        callbacks=callbacks,
+        **QUIET,
+    )
+    trainer.fit(model)
+
+
+if __name__ == "__main__":
+    main()
