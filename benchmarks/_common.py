@@ -81,3 +81,17 @@ def run_worker(script: str, worker_args: list[str], result_prefix: str, timeout:
         if line.startswith(result_prefix):
             return json.loads(line[len(result_prefix) :])
     raise RuntimeError(f"{worker_args[0]} produced no result:\n{done.stderr[-3000:]}")
+
+
+def single_process_arguments(description: str, workers: tuple[str, ...], rounds: int, steps: int):
+    """The command line the single-process benchmarks share: worker, rounds, steps, warm-up, batch, accelerator."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--worker", choices=workers, help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu")
+    return parser.parse_args()

@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 
-from _common import describe_machine, run_worker
+from _common import describe_machine, run_worker, single_process_arguments
 
 CONFIGS = ("none", "nanskip+clip_norm", "nanskip+clip_zscore")
 RESULT_PREFIX = "CALLBACK_OVERHEAD_RESULT "
@@ -89,14 +89,7 @@ def worker(name: str, args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu")
-    args = parser.parse_args()
+    args = single_process_arguments(__doc__.splitlines()[0], CONFIGS, rounds=5, steps=100)
     if args.worker:
         worker(args.worker, args)
         return
