@@ -28,6 +28,8 @@ CONFIGS = {
     "mgpu_fp16": "mgpu_ddp_fp16",
     "mgpu_bf16": "mgpu_ddp_bf16",
     "mgpu_powersgd": "mgpu_ddp_powersgd",
+    # "mgpu" with OOMBackoff and no OOM: the price of its agreements and of the reduce after the backward
+    "mgpu_oom_backoff": "mgpu",
 }
 BASELINE = "stock_ddp"
 RESULT_PREFIX = "BENCHMARK_RESULT "
@@ -120,7 +122,7 @@ def worker(name: str, steps: int, warmup: int, batch_size: int) -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[clock],
+        callbacks=[clock, lightning_mgpu.OOMBackoff()] if name == "mgpu_oom_backoff" else [clock],
     )
     trainer.fit(MLP(), DataLoader(data, batch_size=batch_size))
     if trainer.is_global_zero:

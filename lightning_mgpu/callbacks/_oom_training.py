@@ -402,8 +402,12 @@ class _BackoffOptimization(_AutomaticOptimization):
                 from lightning_mgpu.callbacks.oom_backoff import OOMRecoveryError
 
                 raise OOMRecoveryError(message) from err
-            # other ranks may have stepped already and would go on to collectives this rank no longer matches:
-            # every rank checks right after the step, below, and they stop together
+            # other ranks may have stepped already. This rank counts the step as done, so that it follows exactly
+            # the control flow of the others (max_steps, checkpoint triggers, validation), and carries on until the
+            # next point where every rank meets: the next batch's agreement, the start of validation, a checkpoint
+            # save or the end of training. There every rank stops together, and no checkpoint is written.
+            if not self.trainer.fit_loop._should_accumulate():
+                self.optim_progress.optimizer.step.increment_completed()
             self.runner.pending_failure = message
-        if self.runner.world_size > 1:
-            self.runner.check_peers("after the optimizer step")
+        if self.runner.pending_failure is not None:
+            release_memory()

@@ -53,10 +53,11 @@ class OOMBackoff(Callback):
     **What cannot be recovered fails on every rank at once.** An OOM at ``min_micro_batch_size`` (or on a batch
     with no tensor to split) raises :class:`OOMRecoveryError` with a memory summary. An OOM inside
     ``optimizer.step`` (some ranks may have updated their parameters, others not) raises
-    :class:`OOMRecoveryError` on every rank right after the step, through a second small host all-reduce per
-    optimizer step, before any rank can go on to a checkpoint or another collective. An error that is not an OOM
-    is re-raised on its rank and the other ranks stop with :class:`OOMRecoveryError`, instead of waiting out the
-    collective timeout.
+    :class:`OOMRecoveryError` on every rank at the next point where they all meet: the next batch, the start of
+    validation, a checkpoint save (so nothing inconsistent is written) or the end of training. Until then the rank
+    that failed follows the others' control flow exactly, so their collectives keep matching. An error that is not
+    an OOM is re-raised on its rank and the other ranks stop with :class:`OOMRecoveryError`, instead of waiting out
+    the collective timeout.
 
     **Memory:** while a batch accumulates over several micro-batches (and on the later batches of an
     ``accumulate_grad_batches`` window) the gradients gathered so far are set aside during each backward, so that
