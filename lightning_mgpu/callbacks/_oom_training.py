@@ -49,6 +49,10 @@ NO_FAILURE, OOM_AT_FLOOR, OPTIMIZER_STEP_OOM, OTHER_ERROR = 0, 1, 2, 3
 _NO_PROPOSAL = 2**62
 
 
+class OOMRecoveryError(RuntimeError):
+    """Raised by :class:`OOMBackoff`, on every rank, when an out-of-memory error cannot be recovered from."""
+
+
 class _Piece:
     """What one micro-batch that succeeded left behind."""
 
@@ -82,7 +86,7 @@ class MicroBatchTrainer:
         self.world_size = trainer.world_size
         self.rank = trainer.global_rank
         self.rollback = StepRollback(self.pl_module)
-        self.params = [p for p in self.pl_module.parameters() if p.requires_grad]
+        self.params: list[Tensor] = []  # listed again at every batch
         self.pending_failure: str | None = None
         self.group: dist.ProcessGroup | None = None
         self.flag_device = torch.device("cpu")
@@ -105,9 +109,10 @@ class MicroBatchTrainer:
         self.params = [p for p in self.pl_module.parameters() if p.requires_grad]
         zero_grad_fn = loop._make_zero_grad_fn(batch_idx, optimizer)
         backward_fn = loop._make_backward_fn(optimizer)
-        reduce_now = self.ddp is not None and not (
+        accumulating = (
             not self.trainer.strategy.handles_gradient_accumulation and self.trainer.fit_loop._should_accumulate()
         )
+        reduce_now = self.ddp is not None and not accumulating
         if self.ddp is not None:
             self._sync_buffers(first_of_window=zero_grad_fn is not None)
         if zero_grad_fn is not None:
@@ -242,8 +247,6 @@ class MicroBatchTrainer:
         }
 
     def _fail(self, failure: _LocalFailure | None, agreed: dict[str, Any], size: int, total: int) -> None:
-        from lightning_mgpu.callbacks.oom_backoff import OOMRecoveryError
-
         if failure is not None and failure.kind == OTHER_ERROR and failure.error is not None:
             # a real error of this rank's training step: re-raise it as it is
             raise failure.error
@@ -261,8 +264,6 @@ class MicroBatchTrainer:
 
     def check_peers(self, where: str) -> None:
         """Raise on every rank if a rank's optimizer step ran out of memory earlier. Collective."""
-        from lightning_mgpu.callbacks.oom_backoff import OOMRecoveryError
-
         failed = self.pending_failure is not None
         if self.world_size > 1:
             flag = torch.tensor([self.rank + 1 if failed else 0], dtype=torch.int64, device=self.flag_device)
@@ -301,7 +302,7 @@ class MicroBatchTrainer:
         # DDP broadcasts buffers from rank 0 in the first forward after a synchronised backward; its forwards now
         # run under no_sync, so the broadcast happens here, at the same point, on every rank at once
         ddp.require_forward_param_sync = False
-        if not first_of_window or not ddp.broadcast_buffers or not list(ddp.module.buffers()):
+        if not first_of_window or not ddp.broadcast_buffers or next(ddp.module.buffers(), None) is None:
             return
         if hasattr(ddp, "_sync_buffers"):
             ddp._sync_buffers()  # coalesced, and through the buffer comm hook if one is registered
@@ -399,8 +400,6 @@ class _BackoffOptimization(_AutomaticOptimization):
                 raise
             message = self.runner.backoff._optimizer_step_message(self.runner.rank, _first_line(err))
             if self.runner.world_size == 1:
-                from lightning_mgpu.callbacks.oom_backoff import OOMRecoveryError
-
                 raise OOMRecoveryError(message) from err
             # other ranks may have stepped already. This rank counts the step as done, so that it follows exactly
             # the control flow of the others (max_steps, checkpoint triggers, validation), and carries on until the

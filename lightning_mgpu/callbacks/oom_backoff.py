@@ -12,7 +12,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.modules.batchnorm import SyncBatchNorm
 from typing_extensions import override
 
-from lightning_mgpu.callbacks._oom_training import MicroBatchTrainer, _BackoffOptimization
+from lightning_mgpu.callbacks._oom_training import MicroBatchTrainer, OOMRecoveryError, _BackoffOptimization
 from lightning_mgpu.callbacks._step_logs import LoggedCall, capture_logs, replay_logs
 from lightning_mgpu.utilities.batch_split import batch_size_of, combine_outputs, split_batch
 from lightning_mgpu.utilities.distributed_batchnorm import DistributedBatchNorm
@@ -21,11 +21,8 @@ from lightning_mgpu.utilities.step_rollback import StepRollback
 
 LossReduction = Literal["mean", "sum"]
 LOSS_REDUCTIONS: tuple[str, ...] = get_args(LossReduction)
+__all__ = ["OOMBackoff", "OOMRecoveryError"]
 EVAL_STEPS = ("validation_step", "test_step", "predict_step")
-
-
-class OOMRecoveryError(RuntimeError):
-    """Raised by :class:`OOMBackoff`, on every rank, when an out-of-memory error cannot be recovered from."""
 
 
 class OOMBackoff(Callback):
