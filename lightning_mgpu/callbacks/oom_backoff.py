@@ -14,6 +14,7 @@ from typing_extensions import override
 
 from lightning_mgpu.callbacks._oom_training import MicroBatchTrainer, OOMRecoveryError, _BackoffOptimization
 from lightning_mgpu.callbacks._step_logs import LoggedCall, capture_logs, replay_logs
+from lightning_mgpu.strategies.ddp import DDPStrategy
 from lightning_mgpu.utilities.batch_split import batch_size_of, combine_outputs, split_batch
 from lightning_mgpu.utilities.distributed_batchnorm import DistributedBatchNorm
 from lightning_mgpu.utilities.oom import is_out_of_memory, memory_summary, release_memory
@@ -172,6 +173,9 @@ class OOMBackoff(Callback):
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._check_strategy(trainer, pl_module)
+        if isinstance(trainer.strategy, DDPStrategy) and trainer.strategy.tunes_buckets:
+            # bucket sizes and hooks change nothing while this callback averages the gradients itself
+            trainer.strategy.disable_bucket_tuning(f"{type(self).__name__} averages gradients outside DDP's buckets")
         if self._loader_batch_size is not None:
             # restored from a checkpoint of a run whose batch size was reduced: the loader is built after this hook
             lightning_setattr(pl_module, self.batch_arg_name, self._loader_batch_size)

@@ -23,9 +23,14 @@ from lightning_mgpu.strategies.choice import (
     is_interactive,
 )
 from lightning_mgpu.strategies.data_parallel import DataParallelStrategy
-from lightning_mgpu.strategies.ddp import DDPStrategy, SyncBatchNormSetting
+from lightning_mgpu.strategies.ddp import (
+    BucketCapSetting,
+    CommHookSetting,
+    DDPStrategy,
+    SyncBatchNormSetting,
+    TunableCommHook,
+)
 from lightning_mgpu.strategies.single_device import SingleDeviceStrategy
-from lightning_mgpu.utilities.comm_hooks import CommHookName
 
 _START_METHODS = {"ddp": "popen", "ddp_spawn": "spawn", "ddp_fork": "fork"}
 
@@ -57,11 +62,17 @@ class MultiGPUStrategy(DDPStrategy):
             ``"ddp_fork"``.
         sync_batchnorm: ``"auto"`` (default) synchronises BatchNorm when the model has some and more than one
             process trains; ``True`` or ``False`` force it.
-        bucket_cap_mb: DDP gradient bucket size in MB; ``None`` keeps torch's default.
+        bucket_cap_mb: ``"auto"`` (default) times candidate gradient bucket sizes on the fit's first optimizer
+            steps and keeps the fastest (see :class:`DDPStrategy`); a number of MB fixes it; ``None`` keeps torch's
+            default (25).
+        bucket_tuning_steps: at most this many optimizer steps are spent timing ``"auto"`` settings; fits shorter
+            than 10 times this keep torch's default untimed.
         gradient_as_bucket_view: let gradients be views into the DDP buckets.
         static_graph: promise DDP the set of used parameters never changes.
         find_unused_parameters: let DDP detect parameters without gradients.
-        comm_hook: ``None``, ``"fp16"``, ``"bf16"`` or ``"powersgd"``; works over gloo and NCCL.
+        comm_hook: ``None``, ``"fp16"``, ``"bf16"``, ``"powersgd"`` (all work over gloo and NCCL) or ``"auto"``
+            (time ``comm_hook_candidates`` against no hook, keep one only if faster).
+        comm_hook_candidates: the hooks ``comm_hook="auto"`` may choose, from ``"fp16"`` and ``"bf16"``.
         powersgd_rank: rank of the PowerSGD approximation.
         powersgd_warmup_steps: exact all-reduce steps before PowerSGD compresses.
         timeout: process group timeout.
@@ -90,11 +101,13 @@ class MultiGPUStrategy(DDPStrategy):
         self,
         mode: ModeOrAuto = "auto",
         sync_batchnorm: SyncBatchNormSetting = "auto",
-        bucket_cap_mb: float | None = None,
+        bucket_cap_mb: BucketCapSetting = "auto",
+        bucket_tuning_steps: int = 30,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
         find_unused_parameters: bool = False,
-        comm_hook: CommHookName | None = None,
+        comm_hook: CommHookSetting = None,
+        comm_hook_candidates: list[TunableCommHook] | None = None,
         powersgd_rank: int = 1,
         powersgd_warmup_steps: int = 100,
         timeout: timedelta | None = default_pg_timeout,
@@ -116,10 +129,12 @@ class MultiGPUStrategy(DDPStrategy):
             precision_plugin=precision_plugin,
             sync_batchnorm=sync_batchnorm,
             bucket_cap_mb=bucket_cap_mb,
+            bucket_tuning_steps=bucket_tuning_steps,
             gradient_as_bucket_view=gradient_as_bucket_view,
             static_graph=static_graph,
             find_unused_parameters=find_unused_parameters,
             comm_hook=comm_hook,
+            comm_hook_candidates=comm_hook_candidates,
             powersgd_rank=powersgd_rank,
             powersgd_warmup_steps=powersgd_warmup_steps,
             timeout=timeout,

@@ -1,0 +1,142 @@
+"""A 2-process CPU fit run as a script, with the DDP bucket size fixed or ``"auto"``.
+
+Timings are steered for real: ``--slow-unless 5MB:60`` sleeps 60 ms in every training step whose DDP wrap is not
+the ``5MB`` setting, so the tuner measures that setting as the fastest. Each rank saves to ``<out>/rank<r>.pt`` its
+parameters, the tuning result, and the setting each training step ran with (read from the DDP module itself).
+
+    python tests/helpers/bucket_fit.py --out /tmp/x --bucket auto --slow-unless 5MB:60 --max-steps 240
+    python tests/helpers/bucket_fit.py --out /tmp/ref --bucket 5 --max-steps 240
+"""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_mgpu import MultiGPUStrategy
+from lightning_mgpu.strategies.bucket_tuning import Trial
+from tests.helpers.trainer import QUIET, RecordingLogger
+
+
+def running_setting(trainer: Trainer) -> str:
+    """The label of the bucket size the DDP wrap really uses, and the hook the strategy registered on it."""
+    ddp = trainer.strategy.model
+    assert isinstance(ddp, DistributedDataParallel)
+    size = None if ddp.bucket_bytes_cap_default else ddp.bucket_bytes_cap / 2**20
+    return Trial(size, trainer.strategy._active_comm_hook).label
+
+
+class WideRegression(LightningModule):
+    """Two 1024x1024 layers: about 8 MB of gradients, so 1, 5 and 25 MB buckets all differ."""
+
+    def __init__(self, slow_unless: str | None, slow_ms: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 1024))
+        self.slow_unless, self.slow_ms = slow_unless, slow_ms
+        self.settings: list[str] = []
+
+    def training_step(self, batch, batch_idx):
+        setting = running_setting(self.trainer)
+        self.settings.append(setting)
+        if self.slow_unless is not None and setting != self.slow_unless:
+            time.sleep(self.slow_ms / 1000)
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+    def train_dataloader(self):
+        return DataLoader(self._data(), batch_size=4)
+
+    def val_dataloader(self):
+        return DataLoader(self._data(), batch_size=4)
+
+    def _data(self) -> TensorDataset:
+        generator = torch.Generator().manual_seed(1)
+        x = torch.randn(256, 1024, generator=generator)
+        return TensorDataset(x, torch.tanh(x.flip(1)))
+
+
+class SaveRankState(Callback):
+    def __init__(self, out: Path, logger: RecordingLogger) -> None:
+        self.out, self.logger = out, logger
+
+    def on_train_end(self, trainer, pl_module):
+        self.final_setting = running_setting(trainer)  # the strategy unwraps DDP before on_fit_end
+
+    def on_fit_end(self, trainer, pl_module):
+        tuning = trainer.strategy.bucket_tuning
+        state = {
+            "params": {k: v.detach().clone() for k, v in pl_module.state_dict().items()},
+            "tuning": None if tuning is None else {**tuning.state_dict(), "reason": tuning.reason},
+            "settings": pl_module.settings,
+            "final_setting": self.final_setting,
+            "global_step": trainer.global_step,
+            "logged": [metrics for _, metrics in self.logger.calls if any(k.startswith("ddp/") for k in metrics)],
+        }
+        torch.save(state, self.out / f"rank{trainer.global_rank}.pt")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--bucket", default="auto", help="'auto', 'default' or a size in MB")
+    parser.add_argument("--comm-hook", default="none", choices=["none", "auto", "fp16", "bf16"])
+    parser.add_argument("--budget", type=int, default=24)
+    parser.add_argument("--max-steps", type=int, default=240)
+    parser.add_argument("--slow-unless", default=None, help="LABEL:MS, e.g. 5MB:60")
+    parser.add_argument("--save-ckpt", type=Path, default=None)
+    parser.add_argument("--resume", type=Path, default=None)
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--val-every", type=int, default=0, help="validate 2 batches every N training batches")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    bucket = (
+        {"auto": "auto", "default": None}.get(args.bucket) if args.bucket in ("auto", "default") else float(args.bucket)
+    )
+    slow_unless, slow_ms = (
+        (args.slow_unless.rsplit(":", 1)[0], float(args.slow_unless.rsplit(":", 1)[1]))
+        if args.slow_unless
+        else (None, 0.0)
+    )
+    strategy = MultiGPUStrategy(
+        mode="ddp",
+        bucket_cap_mb=bucket,
+        bucket_tuning_steps=args.budget,
+        comm_hook=None if args.comm_hook == "none" else args.comm_hook,
+    )
+    logger = RecordingLogger()
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=-1,
+        max_steps=args.max_steps,
+        accumulate_grad_batches=args.accumulate,
+        limit_val_batches=2 if args.val_every else 0,
+        val_check_interval=args.val_every or None,
+        callbacks=[SaveRankState(args.out, logger)],
+        **{**QUIET, "logger": logger},
+    )
+    trainer.fit(WideRegression(slow_unless, slow_ms), ckpt_path=args.resume)
+    if args.save_ckpt is not None:
+        trainer.save_checkpoint(args.save_ckpt)
+
+
+if __name__ == "__main__":
+    main()
