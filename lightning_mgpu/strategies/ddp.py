@@ -73,8 +73,8 @@ class DDPStrategy(LightningDDPStrategy):
       checkpoints, so a resumed fit re-uses it without tuning again.
     - ``comm_hook="auto"`` then times each hook of ``comm_hook_candidates`` (compression changes the numerics, so
       only hooks listed there are tried; their trial steps train with compressed gradients) against no hook at the
-      chosen bucket size, and keeps one only if it is faster by the same margin. PowerSGD is not a candidate: its warm-up steps are exact all-reduces, so a short trial cannot
-      time it.
+      chosen bucket size, and keeps one only if it is faster by the same margin. PowerSGD is not a candidate: its
+      warm-up steps are exact all-reduces, so a short trial cannot time it.
 
     Args:
         accelerator: set by the Trainer.
