@@ -40,6 +40,46 @@ def mlp():
     return nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
 
 
+def classifier_module(net):
+    """A LightningModule training ``net`` with cross-entropy and SGD (lr 0.01): the benchmarks' stand-in model."""
+    import lightning.pytorch as pl
+    import torch
+    from torch import nn
+
+    class Classifier(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    return Classifier()
+
+
+def batch_clock(started_after: int, steps: int):
+    """A callback whose ``start``/``stop`` are the times batch ``started_after`` and batch ``steps`` ended (1-based)."""
+    import time
+
+    import lightning.pytorch as pl
+
+    class Clock(pl.Callback):
+        def __init__(self) -> None:
+            self.start = self.stop = 0.0
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx + 1 == started_after:
+                self.start = time.perf_counter()
+            elif batch_idx + 1 == steps:
+                self.stop = time.perf_counter()
+
+    return Clock()
+
+
 def synthetic_dataset(steps: int, batch_size: int):
     """Seeded random inputs and labels: ``steps`` batches of ``batch_size`` for each of the 2 processes."""
     import torch

@@ -17,9 +17,8 @@ import itertools
 import json
 import os
 import statistics
-import time
 
-from _common import describe_machine, run_worker
+from _common import batch_clock, classifier_module, describe_machine, run_worker
 
 MODELS = {
     # name: (layer widths, batch size per process)
@@ -43,36 +42,15 @@ def worker(model_name: str, setting: str, steps: int) -> None:
     torch.set_num_threads(1)
     widths, batch_size = MODELS[model_name]
 
-    class MLP(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            layers: list[nn.Module] = []
-            for fan_in, fan_out in itertools.pairwise(widths):
-                layers += [nn.Linear(fan_in, fan_out), nn.ReLU()]
-            self.net = nn.Sequential(*layers[:-1])
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return nn.functional.cross_entropy(self.net(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
-    class Clock(pl.Callback):
-        def __init__(self) -> None:
-            self.start = self.stop = 0.0
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if batch_idx == 0:
-                self.start = time.perf_counter()
-            elif batch_idx + 1 == steps:
-                self.stop = time.perf_counter()
-
+    layers: list[nn.Module] = []
+    for fan_in, fan_out in itertools.pairwise(widths):
+        layers += [nn.Linear(fan_in, fan_out), nn.ReLU()]
+    model = classifier_module(nn.Sequential(*layers[:-1]))
     g = torch.Generator().manual_seed(0)
     samples = steps * batch_size * 2
     data = TensorDataset(torch.randn(samples, widths[0], generator=g), torch.randint(0, 10, (samples,), generator=g))
     bucket = {"auto": "auto", "default": None}[setting] if setting in ("auto", "default") else float(setting)
-    clock = Clock()
+    clock = batch_clock(1, steps)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
@@ -84,7 +62,6 @@ def worker(model_name: str, setting: str, steps: int) -> None:
         enable_model_summary=False,
         callbacks=[clock],
     )
-    model = MLP()
     trainer.fit(model, DataLoader(data, batch_size=batch_size))
     if trainer.is_global_zero:
         tuning = trainer.strategy.bucket_tuning

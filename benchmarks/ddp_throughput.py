@@ -18,7 +18,15 @@ import os
 import statistics
 import time
 
-from _common import describe_machine, launch_second_rank, mlp, run_worker, synthetic_dataset
+from _common import (
+    batch_clock,
+    classifier_module,
+    describe_machine,
+    launch_second_rank,
+    mlp,
+    run_worker,
+    synthetic_dataset,
+)
 
 CONFIGS = {
     # name: strategy argument given to Trainer ("torch": no Lightning, a plain DDP loop)
@@ -77,37 +85,14 @@ def worker(name: str, steps: int, warmup: int, batch_size: int) -> None:
         return
     import lightning.pytorch as pl
     import torch
-    from torch import nn
     from torch.utils.data import DataLoader
 
     import lightning_mgpu
 
     torch.set_num_threads(1)
 
-    class MLP(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = mlp()
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return nn.functional.cross_entropy(self.net(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
-    class Clock(pl.Callback):
-        def __init__(self) -> None:
-            self.start = self.stop = 0.0
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if batch_idx + 1 == warmup:
-                self.start = time.perf_counter()
-            elif batch_idx + 1 == steps:
-                self.stop = time.perf_counter()
-
     data = synthetic_dataset(steps, batch_size)
-    clock = Clock()
+    clock = batch_clock(warmup, steps)
     strategy = CONFIGS[name]
     if name == "mgpu_powersgd":  # the mgpu_ddp_powersgd preset, with a warm-up that fits a short run
         strategy = lightning_mgpu.MultiGPUStrategy(
@@ -124,7 +109,7 @@ def worker(name: str, steps: int, warmup: int, batch_size: int) -> None:
         enable_model_summary=False,
         callbacks=[clock, lightning_mgpu.OOMBackoff()] if name == "mgpu_oom_backoff" else [clock],
     )
-    trainer.fit(MLP(), DataLoader(data, batch_size=batch_size))
+    trainer.fit(classifier_module(mlp()), DataLoader(data, batch_size=batch_size))
     if trainer.is_global_zero:
         measured = steps - warmup
         result = {
