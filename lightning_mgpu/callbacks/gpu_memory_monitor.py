@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_mgpu._imports import MATPLOTLIB_AVAILABLE, PROMETHEUS_AVAILABLE
+from lightning_mgpu.callbacks._logging import has_progress_bar, show_in_progress_bar
 from lightning_mgpu.strategies.data_parallel import DataParallelStrategy
 from lightning_mgpu.utilities.host_group import host_side_group
 from lightning_mgpu.utilities.memory_headroom import HeadroomWatch
@@ -79,6 +80,16 @@ class GPUMemoryMonitor(Callback):
     With ``prometheus_port`` each rank serves the same numbers as Prometheus gauges labelled by rank and GPU UUID at
     ``http://<prometheus_host>:<prometheus_port + local rank>/metrics`` (``pip install lightning-mgpu[prometheus]``).
 
+    Progress bar field, with ``progress_bar=True`` and a Trainer that draws a bar: ``peak_mem_mb``, whole MiB. With
+    a GPU it is the peak memory held by tensors (``peak_allocated_mb``), the largest over this process's GPUs and,
+    under several processes, over the ranks; without a GPU it is the process's peak resident host memory
+    (``host/peak_rss_mb``, the largest over the ranks). Both are the peak of the last training logging window, as
+    logged (see ``track_peak``), from the numbers already sampled and gathered: refreshed on the steps Lightning's
+    loggers write (never with ``log_every_n_steps=0``), on rank 0 only, whose bar is the one drawn. Evaluation
+    windows do not change it, and it is not sent to the loggers. After ``fit``, rank 0's ``training_peak_mb`` holds
+    the largest of these figures over the fit's logged training windows, and ``training_peak_source`` says what it
+    measures (``"GPU allocated"`` or ``"host RSS"``); both are ``None`` on other ranks.
+
     Args:
         sample_hz: samples per second, on the sampling thread.
         warn_headroom_mb: warn when headroom falls under this many MiB; ``None`` to warn on allocator retries only.
@@ -92,10 +103,12 @@ class GPUMemoryMonitor(Callback):
         prometheus_port: serve Prometheus gauges on this port plus the local rank; 0 picks free ports; ``None``
             serves nothing.
         prometheus_host: the address the endpoint binds.
+        progress_bar: show ``peak_mem_mb`` in the progress bar.
 
     Raises:
         ValueError: a ``sample_hz`` outside (0, 100], a negative or non-finite ``warn_headroom_mb``, an empty
-            ``log_prefix``, an unknown name in ``metrics`` or a ``prometheus_port`` outside 0-65535.
+            ``log_prefix``, an unknown name in ``metrics``, a ``prometheus_port`` outside 0-65535 or a
+            ``progress_bar`` that is not a bool.
         ModuleNotFoundError: ``prometheus_port`` is set but ``prometheus-client`` is not installed.
 
     Example::
@@ -115,6 +128,7 @@ class GPUMemoryMonitor(Callback):
         track_peak: bool = True,
         prometheus_port: int | None = None,
         prometheus_host: str = "127.0.0.1",
+        progress_bar: bool = True,
     ) -> None:
         owner = type(self).__name__
         if isinstance(sample_hz, bool) or not isinstance(sample_hz, (int, float)) or not 0 < sample_hz <= 100:
@@ -138,6 +152,8 @@ class GPUMemoryMonitor(Callback):
                     f"{owner}: metrics must be a non-empty list of {', '.join(METRICS)} (or None for all), "
                     f"got {metrics!r}"
                 )
+        if not isinstance(progress_bar, bool):
+            raise ValueError(f"{owner}: progress_bar must be True or False, got {progress_bar!r}")
         if prometheus_port is not None:
             if isinstance(prometheus_port, bool) or not isinstance(prometheus_port, int) or not prometheus_port >= 0:
                 raise ValueError(
@@ -159,8 +175,12 @@ class GPUMemoryMonitor(Callback):
         self.track_peak = track_peak
         self.prometheus_port = prometheus_port
         self.prometheus_host = prometheus_host
+        self.progress_bar = progress_bar
         self.timeline_path: Path | None = None
         self.plot_path: Path | None = None
+        # the largest peak_mem_mb figure over the fit's logged training windows, on rank 0; what it measures
+        self.training_peak_mb: float | None = None
+        self.training_peak_source: str | None = None
         self.prometheus_url: str | None = None
         self.last_logged: dict[str, float] = {}
         self._local_rank = 0
@@ -211,6 +231,8 @@ class GPUMemoryMonitor(Callback):
         sampler.set_stage(_FIRST_STAGE.get(fn, fn))
         sampler.listeners = [self._watch]
         self.plot_path = None
+        if fn == "fit":
+            self.training_peak_mb, self.training_peak_source = None, None
         try:
             self._timeline = MemoryTimeline(unused_path(directory / f"memory_{fn}_rank{self._rank}.csv"), sampler.keys)
             self.timeline_path = self._timeline.path
@@ -240,7 +262,16 @@ class GPUMemoryMonitor(Callback):
             return
         if pl_module.automatic_optimization and trainer.fit_loop._should_accumulate():
             return
-        self._log_window(trainer, stage=None)
+        window = self._log_window(trainer, stage=None)
+        if window is None:
+            return
+        peak = peak_memory_mb(window)
+        if peak is not None and (self.training_peak_mb is None or peak > self.training_peak_mb):
+            gpu = any(not key.startswith("host/") and "peak_allocated_mb" in key for key in window)
+            self.training_peak_mb, self.training_peak_source = peak, "GPU allocated" if gpu else "host RSS"
+        if peak is not None and self.progress_bar and has_progress_bar(trainer):
+            # rank 0 alone holds the gathered window, and calls this alone: no sync_dist, nothing to wait for
+            show_in_progress_bar(pl_module, "peak_mem_mb", round(peak), rank_zero_only=True)
 
     @override
     def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -333,17 +364,19 @@ class GPUMemoryMonitor(Callback):
                 f"cannot serve Prometheus gauges on {self.prometheus_host}:{port}: {err}; training goes on without"
             )
 
-    def _log_window(self, trainer: "pl.Trainer", stage: str | None) -> None:
+    def _log_window(self, trainer: "pl.Trainer", stage: str | None) -> dict[str, float] | None:
+        """Log the window to the loggers; return it, every key, unprefixed (``None`` on ranks other than 0)."""
         assert self._sampler is not None
         if self._world_size > 1 and dist.is_available() and dist.is_initialized():
             local = self._sampler.window_vector().to(self._gather_device)
             gathered = [torch.empty_like(local) for _ in range(self._world_size)]
             dist.all_gather(gathered, local, group=self._gather_group)
             if self._rank != 0:
-                return
-            metrics = summarize_across_ranks(torch.stack(gathered).cpu(), self._sampler.keys)
+                return None
+            window = summarize_across_ranks(torch.stack(gathered).cpu(), self._sampler.keys)
         else:
-            metrics = self._sampler.take_window()
+            window = self._sampler.take_window()
+        metrics = window
         if self.metrics is not None:
             metrics = {key: value for key, value in metrics.items() if _metric_of(key) in self.metrics}
         prefix = self.log_prefix if stage is None else f"{self.log_prefix}/{stage}"
@@ -352,6 +385,7 @@ class GPUMemoryMonitor(Callback):
         step = trainer.fit_loop.epoch_loop._batches_that_stepped
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
+        return window
 
     def _warn_headroom(self, message: str) -> None:
         warnings.warn(message, MemoryHeadroomWarning, stacklevel=2)
@@ -404,6 +438,24 @@ def _metric_of(key: str) -> str:
         if metric.endswith(f"_{statistic}"):
             return metric[: -len(statistic) - 1]
     return metric
+
+
+def peak_memory_mb(window: dict[str, float]) -> float | None:
+    """The largest GPU peak allocated memory in a window, or the host's peak RSS when it holds no GPU's; MiB.
+
+    ``window`` is one process's (``"gpu0/peak_allocated_mb"``) or the summary across ranks
+    (``"gpu0/peak_allocated_mb_max"``); ``None`` when it holds neither.
+    """
+    gpu: list[float] = []
+    host: list[float] = []
+    for key, value in window.items():
+        slot, metric = key.rsplit("/", 1)
+        if metric.removesuffix("_max") == "peak_allocated_mb" and slot != "host":
+            gpu.append(value)
+        elif metric.removesuffix("_max") == "peak_rss_mb" and slot == "host":
+            host.append(value)
+    peaks = gpu or host
+    return max(peaks) if peaks else None
 
 
 def summarize_across_ranks(gathered: torch.Tensor, keys: list[str]) -> dict[str, float]:

@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from lightning_mgpu.callbacks._amp import params_to_step
 from lightning_mgpu.callbacks._grad_norms import clear_gradient_norms, gradient_norms
-from lightning_mgpu.callbacks._logging import is_logging_step
+from lightning_mgpu.callbacks._logging import has_progress_bar, is_logging_step, show_in_progress_bar
 from lightning_mgpu.utilities.clip_grad import (
     GradNormStatistics,
     adaptive_clip_grads_,
@@ -63,6 +63,12 @@ class GradientClipping(Callback):
     - ``grad_norm_threshold`` (``zscore`` only): the norm the gradients were clipped to at most; ``inf`` during
       warm-up.
 
+    Progress bar field, with ``progress_bar=True`` and a Trainer that draws a bar: ``grad_norm``, the same norm before
+    clipping, refreshed at the end of the same logging steps (never with ``log_every_n_steps=0``). The norm is read
+    from the device then, once, after the optimizer step: where Lightning's loggers read it anyway when ``log_norm``
+    is on and a logger is set, and one read every ``log_every_n_steps`` steps otherwise. It is not sent to the
+    loggers.
+
     Args:
         mode: ``"norm"``, ``"value"``, ``"agc"`` or ``"zscore"``.
         max_norm: ``norm``: the largest total norm.
@@ -75,10 +81,11 @@ class GradientClipping(Callback):
         warmup_steps: ``zscore``: steps that only gather statistics (default 25).
         decay: ``zscore``: weight of the past in the moving statistics (default 0.97).
         log_norm: log the keys above.
+        progress_bar: show ``grad_norm`` in the progress bar.
 
     Raises:
         ValueError: an unknown mode, a missing or non-positive threshold, or an option of another mode.
-        TypeError: an option of the wrong type.
+        TypeError: an option of the wrong type, or a ``progress_bar`` that is not a bool.
         MisconfigurationException: at ``setup``, if ``Trainer(gradient_clip_val=...)`` also clips.
 
     Example::
@@ -101,6 +108,7 @@ class GradientClipping(Callback):
         warmup_steps: int | None = None,
         decay: float | None = None,
         log_norm: bool = True,
+        progress_bar: bool = True,
     ) -> None:
         owner = type(self).__name__
         if mode not in CLIP_MODES:
@@ -138,15 +146,19 @@ class GradientClipping(Callback):
             raise TypeError(f"{owner}: exclude must be a list of name patterns, got {exclude!r}")
         if exclude and mode != "agc":
             raise ValueError(f"{owner}: exclude belongs to mode='agc', not mode={mode!r}")
+        if not isinstance(progress_bar, bool):
+            raise TypeError(f"{owner}: progress_bar must be True or False, got {progress_bar!r}")
 
         self.mode = mode
         self.norm_type = float(norm_type)
         self.options = options
         self.exclude = tuple(exclude)
         self.log_norm = log_norm
+        self.progress_bar = progress_bar
         self.statistics = GradNormStatistics(decay=options.get("decay", 0.97))
         self._excluded_ids: set[int] = set()
         self._state_key: str | None = None
+        self._bar_norm: Tensor | None = None  # the norm of a logging step, for the bar at the end of its batch
 
     @property
     @override
@@ -172,6 +184,7 @@ class GradientClipping(Callback):
             for name, param in pl_module.named_parameters()
             if any(fnmatch.fnmatchcase(name, pattern) for pattern in self.exclude)
         }
+        self._bar_norm = None
 
     @override
     def on_before_optimizer_step(
@@ -181,10 +194,23 @@ class GradientClipping(Callback):
         if not params:
             return
         norm, threshold = self._clip(optimizer, params, trainer.global_step)
-        if self.log_norm and is_logging_step(trainer):
+        if not is_logging_step(trainer):
+            return
+        if self.log_norm:
             pl_module.log("grad_norm", norm, on_step=True, on_epoch=False)
             if threshold is not None:  # inf during warm-up: deciding that on the host would need a device read
                 pl_module.log("grad_norm_threshold", threshold, on_step=True, on_epoch=False)
+        if self.progress_bar and has_progress_bar(trainer):
+            self._bar_norm = norm  # read at the end of the batch, once the optimizer step is queued, not before it
+
+    @override
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._bar_norm is None:
+            return
+        norm, self._bar_norm = self._bar_norm, None
+        show_in_progress_bar(pl_module, "grad_norm", float(norm))
 
     def _clip(self, optimizer: Optimizer, params: list[Tensor], step: int) -> tuple[Tensor, Tensor | None]:
         grads = [p.grad for p in params]

@@ -13,7 +13,7 @@ from typing_extensions import override
 
 from lightning_mgpu.callbacks._amp import params_to_step
 from lightning_mgpu.callbacks._grad_norms import clear_gradient_norms, gradient_norms
-from lightning_mgpu.callbacks._logging import is_logging_step
+from lightning_mgpu.callbacks._logging import has_progress_bar, is_logging_step, show_in_progress_bar
 
 CheckTarget = Literal["loss", "grads", "both"]
 CHECK_TARGETS: tuple[str, ...] = get_args(CheckTarget)
@@ -55,14 +55,21 @@ class NaNSkip(Callback):
     0.6 ms on CPU): ``skipped_steps`` (count, total since the start of training). A summary is
     printed on rank 0 at the end of ``fit``. The counters are saved in checkpoints.
 
+    Progress bar field, with ``progress_bar=True`` and a Trainer that draws a bar: ``skipped``, the same total,
+    refreshed at the end of the same logging steps (never with ``log_every_n_steps=0``), where the count is read from
+    the device once, after the optimizer step, as Lightning's loggers read it anyway when ``log_skipped`` is on and a
+    logger is set. It is not sent to the loggers.
+
     Args:
         check: ``"loss"``, ``"grads"`` or ``"both"``.
         max_consecutive: after this many skipped steps in a row raise :class:`NonFiniteStepsError` on every rank,
             naming the step and the first non-finite tensor; ``None`` for no limit.
         log_skipped: log ``skipped_steps``.
+        progress_bar: show ``skipped`` in the progress bar.
 
     Raises:
-        ValueError: an unknown ``check`` or a ``max_consecutive`` that is not a positive int or None.
+        ValueError: an unknown ``check``, a ``max_consecutive`` that is not a positive int or None, or a
+            ``progress_bar`` that is not a bool.
         NonFiniteStepsError: during ``fit``, see ``max_consecutive``.
 
     Example::
@@ -70,7 +77,13 @@ class NaNSkip(Callback):
         trainer = Trainer(callbacks=[NaNSkip(check="both", max_consecutive=25)])
     """
 
-    def __init__(self, check: CheckTarget = "both", max_consecutive: int | None = 25, log_skipped: bool = True):
+    def __init__(
+        self,
+        check: CheckTarget = "both",
+        max_consecutive: int | None = 25,
+        log_skipped: bool = True,
+        progress_bar: bool = True,
+    ):
         owner = type(self).__name__
         if check not in CHECK_TARGETS:
             raise ValueError(f"{owner}: check must be one of {', '.join(map(repr, CHECK_TARGETS))}, got {check!r}")
@@ -80,9 +93,12 @@ class NaNSkip(Callback):
             raise ValueError(
                 f"{owner}: max_consecutive must be a positive int, got {max_consecutive!r}; use None for no limit"
             )
+        if not isinstance(progress_bar, bool):
+            raise ValueError(f"{owner}: progress_bar must be True or False, got {progress_bar!r}")
         self.check = check
         self.max_consecutive = max_consecutive
         self.log_skipped = log_skipped
+        self.progress_bar = progress_bar
         self.optimizer_steps = 0
         self._skipped = torch.zeros((), dtype=torch.long)
         self._consecutive = torch.zeros((), dtype=torch.long)
@@ -98,6 +114,7 @@ class NaNSkip(Callback):
         self._distributed = False
         self._hooks: list[Any] = []
         self._lagged = _LaggedRead()
+        self._bar_due = False
 
     @property
     def skipped_steps(self) -> int:
@@ -116,6 +133,7 @@ class NaNSkip(Callback):
         self._last_bad_loss = self._last_bad_loss.to(device)
         self._last_bad_norms = None
         self._lagged = _LaggedRead()
+        self._bar_due = False
         clear_gradient_norms()
         # after configure_model, which may build layers after setup
         self._names = {id(p): name for name, p in pl_module.named_parameters()}
@@ -173,8 +191,21 @@ class NaNSkip(Callback):
             self._restore_buffers(None)
         self._snapshot = None
         self._loss_bad = None
-        if self.log_skipped and is_logging_step(trainer):
+        if not is_logging_step(trainer):
+            return
+        if self.log_skipped:
             pl_module.log("skipped_steps", self._skipped.float(), on_step=True, on_epoch=False)
+        # read at the end of the batch, once the optimizer step is queued, not before it
+        self._bar_due = self.progress_bar and has_progress_bar(trainer)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self._bar_due:
+            return
+        self._bar_due = False
+        show_in_progress_bar(pl_module, "skipped", self.skipped_steps)
 
     def _drop_found_inf(self, optimizer: Optimizer, *_: Any) -> None:
         if self._found_inf is not None and optimizer.__dict__.get("found_inf") is self._found_inf:

@@ -12,6 +12,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.modules.batchnorm import SyncBatchNorm
 from typing_extensions import override
 
+from lightning_mgpu.callbacks._logging import has_progress_bar, show_in_progress_bar
 from lightning_mgpu.callbacks._oom_training import MicroBatchTrainer, OOMRecoveryError, _BackoffOptimization
 from lightning_mgpu.callbacks._step_logs import LoggedCall, capture_logs, replay_logs
 from lightning_mgpu.strategies.ddp import DDPStrategy
@@ -78,6 +79,12 @@ class OOMBackoff(Callback):
     first backoff) and ``oom/recoveries`` (count since the start of training). One line is printed on rank 0 for
     each backoff. The micro-batch size and counters are saved in checkpoints and used after resuming.
 
+    Progress bar field, with ``progress_bar=True`` and a Trainer that draws a bar: ``micro_bs``, the training
+    micro-batch size in use (samples): the batch size (the largest batch of the fit so far, so a short last batch
+    does not count) until the first backoff, then the backed-off size, and the batch size again if a probe climbs
+    back to it. Shown from the end of the first training batch, and refreshed at the end of the batch where it
+    changes only: a host-side number, no device read. It is not sent to the loggers.
+
     Args:
         min_micro_batch_size: the smallest micro-batch to back off to; an OOM at this size is not recovered.
         keep_effective_batch: ``True`` keeps the batch the optimizer sees through accumulation. ``False`` instead
@@ -91,8 +98,13 @@ class OOMBackoff(Callback):
         batch_arg_name: the attribute holding the loader's batch size, for ``keep_effective_batch=False``.
         loss_reduction: ``"mean"`` if the loss is a mean over the batch's samples, ``"sum"`` if it is a sum.
         recover_eval: also split validation, test and predict batches that run out of memory.
+        progress_bar: show ``micro_bs`` in the progress bar.
 
     Raises:
+        TypeError: a ``min_micro_batch_size`` that is not an int, or a ``progress_bar`` that is not a bool.
+        ValueError: a ``min_micro_batch_size`` below 1, a ``probe_up_after`` that is not a positive int or None (or
+            is given with ``keep_effective_batch=False``), an unknown ``loss_reduction`` or an empty
+            ``batch_arg_name``.
         OOMRecoveryError: as above.
 
     Example::
@@ -108,6 +120,7 @@ class OOMBackoff(Callback):
         batch_arg_name: str = "batch_size",
         loss_reduction: LossReduction = "mean",
         recover_eval: bool = True,
+        progress_bar: bool = True,
     ) -> None:
         name = type(self).__name__
         if isinstance(min_micro_batch_size, bool) or not isinstance(min_micro_batch_size, int):
@@ -130,12 +143,15 @@ class OOMBackoff(Callback):
             raise ValueError(f"{name}: loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
         if not isinstance(batch_arg_name, str) or not batch_arg_name:
             raise ValueError(f"{name}: batch_arg_name must be a non-empty attribute name, got {batch_arg_name!r}")
+        if not isinstance(progress_bar, bool):
+            raise TypeError(f"{name}: progress_bar must be True or False, got {progress_bar!r}")
         self.min_micro_batch_size = min_micro_batch_size
         self.keep_effective_batch = keep_effective_batch
         self.probe_up_after = probe_up_after
         self.batch_arg_name = batch_arg_name
         self.loss_reduction = loss_reduction
         self.recover_eval = recover_eval
+        self.progress_bar = progress_bar
 
         self.micro_batch_size: int | None = None
         self.eval_micro_batch_size: int | None = None
@@ -150,6 +166,9 @@ class OOMBackoff(Callback):
         self._trainer: pl.Trainer | None = None
         self._eval_wrappers: dict[str, Callable[..., Any]] = {}
         self._eval_rollback: StepRollback | None = None
+        self._largest_batch = 0  # this fit's, for the progress bar: a short last batch is no smaller micro-batch
+        self._bar_on = False
+        self._bar_shown: int | None = None
 
     # ------------------------------------------------------------------------------------------ lifecycle
     @override
@@ -167,6 +186,11 @@ class OOMBackoff(Callback):
                 f" batch_arg_name={self.batch_arg_name!r}, which neither the model, its hparams nor the datamodule"
                 " has. Add it (and use it in the train dataloader) or pass the attribute's name."
             )
+        if stage == "fit" and isinstance(trainer.strategy, DDPStrategy):
+            # before the strategy converts the layers: a rank running more micro-batches would sync BatchNorm more often
+            trainer.strategy.decline_auto_sync_batchnorm(
+                f"{type(self).__name__} may run more micro-batches on one rank than on the others"
+            )
         if self.recover_eval:
             self._install_eval_wrappers(trainer, pl_module)
 
@@ -179,10 +203,17 @@ class OOMBackoff(Callback):
         if self._loader_batch_size is not None:
             # restored from a checkpoint of a run whose batch size was reduced: the loader is built after this hook
             lightning_setattr(pl_module, self.batch_arg_name, self._loader_batch_size)
+        self._largest_batch = 0
         self._runner = MicroBatchTrainer(self, trainer)
         epoch_loop = trainer.fit_loop.epoch_loop
         self._loop = _BackoffOptimization(trainer, self._runner, epoch_loop.automatic_optimization)
         epoch_loop.automatic_optimization = self._loop
+
+    @override
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # Lightning empties the progress bar's metrics before this (and after the sanity check): show it again
+        self._bar_on = self.progress_bar and has_progress_bar(trainer)
+        self._bar_shown = None
 
     @override
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -233,6 +264,14 @@ class OOMBackoff(Callback):
             size = self.micro_batch_size if self.micro_batch_size is not None else self.last_batch_size
             pl_module.log("oom/micro_batch_size", float(size), on_step=True, on_epoch=False)
             pl_module.log("oom/recoveries", float(self.recoveries), on_step=True, on_epoch=False)
+        if self._bar_on:
+            self._show_micro_batch_size(pl_module)
+
+    def _show_micro_batch_size(self, pl_module: "pl.LightningModule") -> None:
+        size = self.micro_batch_size if self.micro_batch_size is not None else self._largest_batch
+        if size and size != self._bar_shown:  # a self.log call costs ~0.6 ms: only when the number changes
+            self._bar_shown = size
+            show_in_progress_bar(pl_module, "micro_bs", size)
 
     @override
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -273,6 +312,7 @@ class OOMBackoff(Callback):
     def _size_for_batch(self, total: int) -> tuple[int, bool]:
         """The micro-batch size to start this batch with, and whether it is a probe upwards."""
         self.last_batch_size = total
+        self._largest_batch = max(self._largest_batch, total)
         self._probe_size = None
         if self.micro_batch_size is None:
             return total, False

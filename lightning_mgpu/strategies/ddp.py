@@ -189,6 +189,7 @@ class DDPStrategy(LightningDDPStrategy):
         self._tuning_step: int | None = None  # the global step the tuner last saw
         self._tuning_marker: tuple[int, int] | None = None  # (epoch, validation runs) when that step started
         self._tuning_disabled_reason: str | None = None
+        self._sync_batchnorm_declined: str | None = None
         self._restored_tuning: BucketTuningResult | None = None
         self._active_comm_hook: str | None = None if comm_hook == "auto" else comm_hook
         self.powersgd_rank = powersgd_rank
@@ -210,6 +211,18 @@ class DDPStrategy(LightningDDPStrategy):
             reason: why, for the log line and :attr:`bucket_tuning`.
         """
         self._tuning_disabled_reason = reason
+
+    def decline_auto_sync_batchnorm(self, reason: str) -> None:
+        """Leave BatchNorm local for the next fit when ``sync_batchnorm="auto"``; an explicit ``True`` is kept.
+
+        For callbacks that run a different number of forward passes on each rank (a synchronized BatchNorm would
+        then call its collective a different number of times and hang). Call it before the strategy's ``setup``,
+        from a callback's ``setup`` hook.
+
+        Args:
+            reason: why, for the log line.
+        """
+        self._sync_batchnorm_declined = reason
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -399,9 +412,15 @@ class DDPStrategy(LightningDDPStrategy):
         if trainer_plugin is not None and not isinstance(trainer_plugin, TorchSyncBatchNorm):
             return trainer_plugin  # a LayerSync of the user's own choosing
         wanted = True if trainer_plugin is not None else self.sync_batchnorm
+        declined, self._sync_batchnorm_declined = self._sync_batchnorm_declined, None
         if wanted == "auto":
             module = self.lightning_module
             if module is None or not has_batchnorm(module) or self.world_size <= 1:
+                return None
+            if declined is not None:
+                rank_zero_info(
+                    f"{type(self).__name__}: sync_batchnorm='auto' leaves BatchNorm per process: {declined}."
+                )
                 return None
             rank_zero_info(
                 f"{type(self).__name__}: sync_batchnorm='auto' synchronises BatchNorm statistics across "

@@ -1,7 +1,9 @@
 """A 2-process CPU fit with ``GPUMemoryMonitor``, run as a script (Lightning re-runs it for rank 1).
 
 Counts the Python-level ``torch.distributed`` calls made while training, can make one rank hold extra host memory,
-and writes per rank ``<out>/rank<r>.json``; rank 0's CSV logger writes under ``<out>/logs``.
+and writes per rank ``<out>/rank<r>.json``; rank 0's CSV logger writes under ``<out>/logs``. ``--progress-bar`` draws
+Lightning's bar and adds ``NaNSkip`` and ``GradientClipping``, so that every rank logs their bar fields and rank 0
+alone the monitor's; each rank's ``progress_bar_metrics`` go into its record.
 
     python tests/helpers/monitor_fit.py --out /tmp/x --steps 20 --log-every 5 --extra-mb 1 256
 """
@@ -20,7 +22,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from lightning_mgpu import GPUMemoryMonitor, MultiGPUStrategy
+from lightning_mgpu import GPUMemoryMonitor, GradientClipping, MultiGPUStrategy, NaNSkip
 from tests.helpers.collectives import count_collectives
 from tests.helpers.sigterm_fit import MLP
 
@@ -48,6 +50,7 @@ class CollectiveCounter(pl.Callback):
             "global_step": trainer.global_step,
             "last_logged": monitor.last_logged if monitor else None,
             "timeline": str(monitor.timeline_path) if monitor else None,
+            "progress_bar_metrics": {key: float(value) for key, value in trainer.progress_bar_metrics.items()},
         }
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
@@ -73,6 +76,7 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=5)
     parser.add_argument("--no-monitor", action="store_true")
     parser.add_argument("--extra-mb", type=int, nargs=2, default=None, help="RANK MB: that rank holds MB more")
+    parser.add_argument("--progress-bar", action="store_true", help="draw the bar; add NaNSkip and GradientClipping")
     args = parser.parse_args()
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -80,6 +84,8 @@ def main() -> None:
     callbacks: list[pl.Callback] = [CollectiveCounter(args.out)]
     if not args.no_monitor:
         callbacks.append(GPUMemoryMonitor(sample_hz=20, timeline_dir=str(args.out / "timeline")))
+    if args.progress_bar:
+        callbacks += [NaNSkip(), GradientClipping(mode="norm", max_norm=1.0)]
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(4096, 32, generator=g), torch.randint(0, 4, (4096,), generator=g))
     trainer = pl.Trainer(
@@ -90,7 +96,7 @@ def main() -> None:
         log_every_n_steps=args.log_every,
         logger=CSVLogger(args.out / "logs", name="", version=""),
         enable_checkpointing=False,
-        enable_progress_bar=False,
+        enable_progress_bar=args.progress_bar,
         enable_model_summary=False,
         callbacks=callbacks,
     )
