@@ -1,132 +1,139 @@
-"""Train an unmodified LightningModule with ``strategy="mgpu"``: the pack's main example.
+"""The main example: an ordinary LightningModule with BatchNorm, ``strategy="mgpu"`` and every callback of the pack.
 
-Run with no arguments and it trains a small BatchNorm classifier on synthetic data with 2 CPU processes (DDP over
-gloo, synchronized BatchNorm switched on automatically), in well under two minutes on 2 cores:
+Run with no arguments: 2 CPU processes (DDP over gloo), synthetic data, about 10 seconds on 2 cores:
 
     python examples/train.py
+    python examples/train.py --accelerator cuda --devices 4       # the same on GPUs
+    python examples/train.py --no-faults                          # without the injected faults
 
-It is a LightningCLI, so every Trainer, model, data and strategy option can be changed from the command line or
-a YAML config (omegaconf interpolation works):
+So that the summary has something to show, the last rank meets two faults on purpose (``--no-faults`` removes
+them): its loss is NaN at one step (``NaNSkip`` skips that step on every rank), and from a later step its "device"
+holds only 48 samples' activations, so a full batch raises ``torch.OutOfMemoryError`` (``OOMBackoff`` re-runs the
+batch as micro-batches, and training goes on with the same samples per optimizer step). On rank 0 it ends with:
 
-    python examples/train.py fit --trainer.devices=4 --trainer.max_epochs=5
-    python examples/train.py fit --config my_config.yaml
-
-On a machine with GPUs, ``--trainer.accelerator=cuda`` lets MultiGPUStrategy choose DDP, DataParallel or a single
-device by itself (see the README's decision table).
+    strategy         MultiGPUStrategy -> ddp (2 cpu devices from a script: ...)
+    skipped steps    1 (NaNSkip)
+    OOM recoveries   1; micro-batch size 32 of 64 (OOMBackoff)
+    peak memory      ...
+    memory plot      runs/main_example/.../memory_fit_rank0.png
 """
 
+import argparse
 import os
-import sys
+import time
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.cli import LightningCLI
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from blobs import BlobClassifier, SyntheticBlobs
+from lightning.pytorch.loggers import CSVLogger
 
-import lightning_mgpu  # noqa: F401  (registers strategy="mgpu" and friends)
+from lightning_mgpu import GPUMemoryMonitor, GradientClipping, NaNSkip, OOMBackoff
 
-# Each DDP process gets one thread: 2 processes on 2 cores must not fight over cores.
+# one thread per process: 2 processes on 2 cores must not fight over them
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 
-class SyntheticBlobs(pl.LightningDataModule):
-    """Gaussian blobs, one per class: learnable in a few epochs, generated from a seed, no download."""
+class ClassifierWithFaults(BlobClassifier):
+    """``BlobClassifier`` whose last rank sees a NaN loss once and, later, a memory limit.
 
-    def __init__(self, num_samples: int = 4096, num_features: int = 32, num_classes: int = 8, batch_size: int = 64):
-        super().__init__()
-        self.save_hyperparameters()
+    Args:
+        nan_at_step: the optimizer step whose loss is NaN on the last rank (``None``: never).
+        memory_limit_from_step: from this step on, a forward pass over more than ``memory_limit_samples`` samples
+            raises ``torch.OutOfMemoryError`` on the last rank (``None``: never).
+        memory_limit_samples: samples the last rank can hold once the limit applies.
+        **kwargs: ``BlobClassifier``'s arguments.
+    """
 
-    def setup(self, stage: str) -> None:
-        g = torch.Generator().manual_seed(0)
-        h = self.hparams
-        centers = torch.randn(h.num_classes, h.num_features, generator=g) * 2
-        labels = torch.randint(0, h.num_classes, (h.num_samples,), generator=g)
-        features = centers[labels] + torch.randn(h.num_samples, h.num_features, generator=g) * 3.0
-        split = int(0.9 * h.num_samples)
-        self.train_set = TensorDataset(features[:split], labels[:split])
-        self.val_set = TensorDataset(features[split:], labels[split:])
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.hparams.batch_size)
-
-
-class BlobClassifier(pl.LightningModule):
-    """An ordinary LightningModule with BatchNorm: nothing in it knows about lightning_mgpu."""
-
-    def __init__(self, num_features: int = 32, num_classes: int = 8, hidden: int = 128, lr: float = 0.05):
-        super().__init__()
-        self.save_hyperparameters()
-        self.net = nn.Sequential(
-            nn.Linear(num_features, hidden),
-            nn.BatchNorm1d(hidden),
-            nn.ReLU(),
-            nn.Linear(hidden, hidden),
-            nn.BatchNorm1d(hidden),
-            nn.ReLU(),
-            nn.Linear(hidden, num_classes),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
+    def __init__(
+        self,
+        nan_at_step: int | None = 5,
+        memory_limit_from_step: int | None = 10,
+        memory_limit_samples: int = 48,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.nan_at_step = nan_at_step
+        self.memory_limit_from_step = memory_limit_from_step
+        self.memory_limit_samples = memory_limit_samples
 
     def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = nn.functional.cross_entropy(self(x), y)
-        self.log("train_loss", loss, prog_bar=True)
+        faulty_rank = self.global_rank == self.trainer.world_size - 1
+        step = self.trainer.global_step
+        x, _ = batch
+        limited = self.memory_limit_from_step is not None and step >= self.memory_limit_from_step
+        if faulty_rank and limited and x.shape[0] > self.memory_limit_samples:
+            raise torch.OutOfMemoryError(
+                f"example fault: rank {self.global_rank} holds {self.memory_limit_samples} samples, got {x.shape[0]}"
+            )
+        loss = super().training_step(batch, batch_idx)
+        if faulty_rank and step == self.nan_at_step:
+            loss = loss * float("nan")
         return loss
 
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        logits = self(x)
-        self.log("val_loss", nn.functional.cross_entropy(logits, y), sync_dist=True)
-        self.log("val_acc", (logits.argmax(-1) == y).float().mean(), prog_bar=True, sync_dist=True)
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+def peak_memory(monitor: GPUMemoryMonitor, world_size: int) -> str:
+    if monitor.training_peak_mb is None:
+        return "not measured (no training step was logged)"
+    return f"{monitor.training_peak_source} {monitor.training_peak_mb:.0f} MiB (max over {world_size} ranks)"
 
 
-class ReportChoice(pl.Callback):
-    """Print, once, which strategy MultiGPUStrategy chose and the final validation metrics."""
-
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.is_global_zero:
-            choice = getattr(trainer.strategy, "choice", None)
-            metrics = {k: round(float(v), 4) for k, v in trainer.callback_metrics.items()}
-            print(
-                f"strategy: {type(trainer.strategy).__name__} ({choice.mode if choice else 'n/a'}); "
-                f"processes: {trainer.world_size}; metrics: {metrics}"
-            )
-
-
-EMBEDDED_DEFAULTS = {
-    "accelerator": "cpu",
-    "devices": 2,
-    "strategy": "mgpu",
-    "max_epochs": 3,
-    "logger": False,
-    "enable_checkpointing": False,
-    "enable_model_summary": False,
-    "callbacks": [ReportChoice()],
-}
+def summary(trainer: pl.Trainer, seconds: float) -> str:
+    """What the pack did in this run, from the strategy's and the callbacks' own records."""
+    nan_skip = next(cb for cb in trainer.callbacks if isinstance(cb, NaNSkip))
+    oom = next(cb for cb in trainer.callbacks if isinstance(cb, OOMBackoff))
+    monitor = next(cb for cb in trainer.callbacks if isinstance(cb, GPUMemoryMonitor))
+    choice = trainer.strategy.choice
+    batch = trainer.datamodule.batch_size
+    micro = oom.micro_batch_size if oom.micro_batch_size is not None else batch
+    metrics = ", ".join(f"{k} {float(v):.3f}" for k, v in trainer.callback_metrics.items() if k.startswith("val_"))
+    rows = [
+        ("strategy", f"{type(trainer.strategy).__name__} -> {choice.mode} ({choice.reason})"),
+        ("processes", str(trainer.world_size)),
+        ("skipped steps", f"{nan_skip.skipped_steps} (NaNSkip)"),
+        ("OOM recoveries", f"{oom.recoveries}; micro-batch size {micro} of {batch} (OOMBackoff)"),
+        ("peak memory", peak_memory(monitor, trainer.world_size)),
+        ("memory plot", str(monitor.plot_path or monitor.timeline_path or "not written")),
+        ("validation", metrics or "not run"),
+        ("time", f"{seconds:.1f} s"),
+    ]
+    return "\n".join(f"  {name:<16} {value}" for name, value in rows)
 
 
-def main(args: list[str] | None = None) -> None:
-    LightningCLI(
-        BlobClassifier,
-        SyntheticBlobs,
-        trainer_defaults=EMBEDDED_DEFAULTS,
-        parser_kwargs={"parser_mode": "omegaconf"},
-        seed_everything_default=42,
-        save_config_kwargs={"overwrite": True},  # the example may be re-run in the same folder
-        args=args,
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--accelerator", default="cpu", help="cpu, cuda, auto (default: cpu)")
+    parser.add_argument("--devices", default="2", help="processes or GPUs (default: 2)")
+    parser.add_argument("--max-epochs", type=int, default=3)
+    parser.add_argument("--samples", type=int, default=4096, help="synthetic samples (90%% train)")
+    parser.add_argument("--no-faults", action="store_true", help="no injected NaN loss or out-of-memory error")
+    parser.add_argument("--out", default="runs", help="logs, checkpoints and the memory timeline go here")
+    args = parser.parse_args()
+
+    pl.seed_everything(42, verbose=False)
+    faults = {"nan_at_step": None, "memory_limit_from_step": None} if args.no_faults else {}
+    model = ClassifierWithFaults(**faults)
+    data = SyntheticBlobs(num_samples=args.samples, batch_size=64)
+    trainer = pl.Trainer(
+        accelerator=args.accelerator,
+        devices=int(args.devices) if args.devices.lstrip("-").isdigit() else args.devices,
+        strategy="mgpu",
+        max_epochs=args.max_epochs,
+        callbacks=[
+            NaNSkip(),
+            GradientClipping(mode="norm", max_norm=1.0),
+            GPUMemoryMonitor(),
+            OOMBackoff(),
+        ],
+        logger=CSVLogger(args.out, name="main_example"),
+        log_every_n_steps=10,
+        enable_model_summary=False,
     )
+    started = time.perf_counter()
+    trainer.fit(model, data)
+    if trainer.is_global_zero:
+        print("\nlightning_mgpu main example: summary\n" + summary(trainer, time.perf_counter() - started), flush=True)
 
 
 if __name__ == "__main__":
-    # no arguments: run `fit` with the embedded defaults (Lightning re-runs this same command line in its workers)
-    main(sys.argv[1:] or ["fit"])
+    main()

@@ -1,9 +1,10 @@
-"""``python -m lightning_mgpu env``: print what a multi-GPU run depends on."""
+"""``python -m lightning_mgpu env`` (what a multi-GPU run depends on) and ``config`` (the shipped configs)."""
 
 import argparse
 import sys
 from collections.abc import Sequence
 
+from lightning_mgpu.configs import CONFIG_NAMES, config_path, config_summary
 from lightning_mgpu.utilities.environment_report import ACCELERATORS, environment_report
 
 
@@ -26,10 +27,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     env.add_argument("--accelerator", choices=ACCELERATORS, default="auto", help="the Trainer's accelerator")
     env.add_argument("--devices", type=_devices, default="auto", help="the Trainer's devices: N, -1 or auto")
     env.add_argument("--nodes", type=int, default=1, help="the Trainer's num_nodes")
+    config = commands.add_parser("config", help="list the shipped LightningCLI configs, or print one's path")
+    config.add_argument("name", nargs="?", choices=CONFIG_NAMES, help="print this config's path (for --config)")
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    if args.command == "config":
+        if args.name is not None:
+            print(config_path(args.name))
+        else:
+            for name in CONFIG_NAMES:
+                print(f"{name:<16} {config_summary(name)}\n{'':<16} {config_path(name)}")
+        return 0
     try:
         print(environment_report(accelerator=args.accelerator, devices=args.devices, num_nodes=args.nodes))
     except ValueError as err:
