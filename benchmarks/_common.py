@@ -1,16 +1,20 @@
-"""Pieces shared by the 2-process CPU DDP benchmarks (``ddp_throughput.py``, ``step_profile.py``).
+"""Pieces shared by the benchmarks: machine line, model, worker processes, and the rows ``run_all.py`` reads.
 
 The scripts run as ``python benchmarks/<name>.py``, so ``benchmarks/`` is ``sys.path[0]`` and they import this as
 ``_common``. torch and lightning are imported inside the functions that need them: importing this module is cheap.
 """
 
+import argparse
 import json
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 # what a launcher leaves in the environment; a fresh worker must start without it
 LAUNCHER_ENV_VARS = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -125,8 +129,6 @@ def run_worker(script: str, worker_args: list[str], result_prefix: str, timeout:
 
 def single_process_arguments(description: str, workers: tuple[str, ...], rounds: int, steps: int):
     """The command line the single-process benchmarks share: worker, rounds, steps, warm-up, batch, accelerator."""
-    import argparse
-
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--worker", choices=workers, help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=rounds)
@@ -134,4 +136,58 @@ def single_process_arguments(description: str, workers: tuple[str, ...], rounds:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu")
+    add_json_out(parser)
     return parser.parse_args()
+
+
+@dataclass(frozen=True)
+class Row:
+    """One ratio against a baseline measured in the same run, from the numbers a benchmark prints.
+
+    ``ratio`` is the median over ``rounds`` rounds, ``low``-``high`` their range (None where the figure has no
+    spread of its own); ``better`` says which way is good for the ratio as printed: ``"lower"`` for step time,
+    ``"higher"`` for throughput or accuracy. ``target`` is the one the script states, as text (``">= 0.98"``).
+    """
+
+    benchmark: str
+    config: str
+    metric: str
+    ratio: float
+    low: float | None
+    high: float | None
+    better: Literal["higher", "lower"]
+    baseline: str
+    target: str | None = None
+    rounds: int = 1
+
+
+def ratio_row(
+    benchmark: str,
+    config: str,
+    metric: str,
+    ratios: list[float],
+    better: Literal["higher", "lower"],
+    baseline: str,
+    target: str | None = None,
+) -> Row:
+    """The row of one ratio per round: median and range over the rounds, as the scripts print them."""
+    median = statistics.median(ratios)
+    return Row(benchmark, config, metric, median, min(ratios), max(ratios), better, baseline, target, len(ratios))
+
+
+def add_json_out(parser: argparse.ArgumentParser) -> None:
+    """``--json-out PATH``: where a benchmark also writes its rows for ``run_all.py``."""
+    parser.add_argument(
+        "--json-out", type=Path, metavar="PATH", help="also write the ratios against the baselines as JSON rows"
+    )
+
+
+def write_rows(path: Path | None, rows: list[Row]) -> None:
+    """Write ``rows`` to ``path`` as a JSON list of objects; nothing when ``path`` is None."""
+    if path is not None:
+        path.write_text(json.dumps([asdict(row) for row in rows], indent=2) + "\n")
+
+
+def read_rows(path: Path) -> list[Row]:
+    """The rows :func:`write_rows` wrote."""
+    return [Row(**row) for row in json.loads(path.read_text())]

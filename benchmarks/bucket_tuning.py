@@ -18,7 +18,7 @@ import json
 import os
 import statistics
 
-from _common import batch_clock, classifier_module, describe_machine, run_worker
+from _common import add_json_out, batch_clock, classifier_module, describe_machine, ratio_row, run_worker, write_rows
 
 MODELS = {
     # name: (layer widths, batch size per process)
@@ -28,6 +28,11 @@ MODELS = {
 GRID_MB = (1, 5, 25, 50, 100, 200)
 SETTINGS = ("auto", "default", *map(str, GRID_MB))
 RESULT_PREFIX = "BENCHMARK_RESULT "
+BASELINES = {  # what auto is compared with, for run_all.py's table
+    None: "the fastest fixed size of the same round",
+    "default": "bucket_cap_mb=None (torch's default)",
+    "25": "bucket_cap_mb=25",
+}
 
 
 def worker(model_name: str, setting: str, steps: int) -> None:
@@ -85,6 +90,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=500)
+    add_json_out(parser)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker[0], args.worker[1], args.steps)
@@ -92,6 +98,7 @@ def main() -> None:
 
     print(f"machine: {describe_machine()}")
     print(f"2 processes over gloo, {args.steps} steps each, timed after step 1, {args.rounds} alternating rounds")
+    rows = []
     for model_name in args.models:
         widths, batch_size = MODELS[model_name]
         print(f"\nmodel {model_name}: MLP {'-'.join(map(str, widths))}, batch {batch_size}/process")
@@ -126,8 +133,11 @@ def main() -> None:
                 fixed = {s: results[s]["steps_per_s"] for s in SETTINGS if s != "auto"}
                 ratios.append(results["auto"]["steps_per_s"] / fixed[reference or max(fixed, key=fixed.get)])
             print(f"  auto / {name:<13} {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f})")
+            config, metric = f"auto, {model_name}", f"steps/s vs {name}"
+            rows.append(ratio_row("bucket_tuning", config, metric, ratios, "higher", BASELINES[reference]))
         shares = [r["auto"]["tuning"]["tuning_seconds"] / r["auto"]["seconds"] for r in per_round]
         print(f"  tuning time / run time  {statistics.median(shares):.1%}")
+    write_rows(args.json_out, rows)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 
-from _common import describe_machine, run_worker, single_process_arguments
+from _common import describe_machine, ratio_row, run_worker, single_process_arguments, write_rows
 
 CONFIGS = ("none", "nanskip+clip_norm", "nanskip+clip_zscore")
 RESULT_PREFIX = "CALLBACK_OVERHEAD_RESULT "
@@ -125,6 +125,11 @@ def main() -> None:
             f"  {name:<22} {statistics.median(ratios[name]):.3f}x  "
             f"(range {min(ratios[name]):.3f}-{max(ratios[name]):.3f})"
         )
+    rows = [
+        ratio_row("callback_overhead", name, "step time vs no callback", ratios[name], "lower", "no callback")
+        for name in CONFIGS[1:]
+    ]
+    write_rows(args.json_out, rows)
 
 
 if __name__ == "__main__":

@@ -19,13 +19,16 @@ import statistics
 import time
 
 from _common import (
+    add_json_out,
     batch_clock,
     classifier_module,
     describe_machine,
     launch_second_rank,
     mlp,
+    ratio_row,
     run_worker,
     synthetic_dataset,
+    write_rows,
 )
 
 CONFIGS = {
@@ -133,6 +136,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=32)
+    add_json_out(parser)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.steps, args.warmup, args.batch_size)
@@ -169,6 +173,13 @@ def main() -> None:
             f"  mgpu / plain torch DDP loop, same round: median {statistics.median(against_torch):.2f}x "
             f"(range {min(against_torch):.2f}-{max(against_torch):.2f})"
         )
+    rows = [
+        ratio_row(
+            "ddp_throughput", name, "samples/s vs stock DDP", ratios[name], "higher", 'stock Lightning strategy="ddp"'
+        )
+        for name in configs[1:]
+    ]
+    write_rows(args.json_out, rows)
 
 
 if __name__ == "__main__":

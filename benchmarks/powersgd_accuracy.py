@@ -19,6 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _common import add_json_out, ratio_row, write_rows
+
 CONFIGS = {
     # name: MultiGPUStrategy arguments
     "no_compression": {},
@@ -88,6 +90,7 @@ def main() -> None:
     parser.add_argument("--worker", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--epochs", type=int, default=15)
+    add_json_out(parser)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.epochs, args.out)
@@ -111,6 +114,19 @@ def main() -> None:
     for epoch in range(args.epochs):
         print(f"{epoch + 1:>5}  " + "  ".join(f"{r['epoch_losses'][epoch]:>15.4f}" for r in results.values()))
     print("test accuracy " + "  ".join(f"{name}: {r['test_accuracy']:.4f}" for name, r in results.items()))
+    exact = results["no_compression"]["test_accuracy"]
+    rows = [
+        ratio_row(
+            "powersgd_accuracy",
+            name,
+            f"test accuracy vs no compression, {args.epochs} epochs",
+            [results[name]["test_accuracy"] / exact],
+            "higher",
+            'MultiGPUStrategy(mode="ddp"), no comm hook, same seed',
+        )
+        for name in list(CONFIGS)[1:]
+    ]
+    write_rows(args.json_out, rows)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,16 @@ import os
 import statistics
 import time
 
-from _common import describe_machine, launch_second_rank, mlp, run_worker, synthetic_dataset
+from _common import (
+    add_json_out,
+    describe_machine,
+    launch_second_rank,
+    mlp,
+    ratio_row,
+    run_worker,
+    synthetic_dataset,
+    write_rows,
+)
 
 SETUPS = {
     # name: strategy argument given to Trainer; None for the plain torch loop
@@ -308,6 +317,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--warmup", type=int, default=10, help="first steps not timed")
     parser.add_argument("--batch-size", type=int, default=32)
+    add_json_out(parser)
     args = parser.parse_args()
     if not 0 <= args.warmup < args.steps - 1:
         parser.error(f"--warmup must leave at least one timed step: got --warmup {args.warmup} --steps {args.steps}")
@@ -334,6 +344,10 @@ def main() -> None:
             + ", ".join(f"{n} {measured[n]['total']:.2f} ms/step {measured[n]['samples_per_s']:,.0f}/s" for n in names)
         )
     report(results, args)
+    # the one ratio against stock this script prints: ours/stock throughput; the phases are compared in ms only
+    ratios = [r["ours"]["samples_per_s"] / r["stock"]["samples_per_s"] for r in results]
+    metric = "samples/s (mean step time, rank 0) vs stock DDP"
+    write_rows(args.json_out, [ratio_row("step_profile", "ours", metric, ratios, "higher", 'stock strategy="ddp"')])
 
 
 if __name__ == "__main__":
