@@ -1,7 +1,7 @@
 """Run every benchmark of the pack and write their ratios against stock Lightning as a markdown table and a plot.
 
     python benchmarks/run_all.py                    # every benchmark at its own defaults: an hour or more on 2 cores
-    python benchmarks/run_all.py --quick            # short settings (QUICK below), about 10 minutes on 2 cores
+    python benchmarks/run_all.py --quick            # short settings (QUICK below), about 8 minutes on 2 cores
     python benchmarks/run_all.py --only ddp_throughput callback_overhead --rounds 5
 
 Each benchmark runs as ``python benchmarks/<name>.py [its arguments] --json-out FILE`` in a fresh process, its
@@ -29,7 +29,7 @@ from _report import markdown_table, plot
 
 HERE = Path(__file__).resolve().parent
 # name: arguments of --quick. Starting a worker (about 5 s of imports a process) costs more than the steps, so
-# quick keeps enough steps to time and 2 rounds where that fits: 8 minutes in all, measured on 2 busy cores
+# quick keeps enough steps to time and 2 rounds where that fits: about 8 minutes in all on 2 cores
 QUICK = {
     "ddp_throughput": ["--rounds", "2", "--steps", "80"],
     "step_profile": ["--rounds", "2", "--steps", "60"],
@@ -71,7 +71,7 @@ def run(command: list[str]) -> tuple[int, list[str]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="short settings for every benchmark, about 10 minutes")
+    parser.add_argument("--quick", action="store_true", help="short settings for every benchmark, about 8 minutes")
     parser.add_argument("--only", nargs="+", choices=list(QUICK), metavar="NAME", help=f"among {', '.join(QUICK)}")
     parser.add_argument("--rounds", type=int, help="rounds for every benchmark that takes --rounds")
     parser.add_argument("--out", type=Path, default=HERE / "results", help="where latest.md and latest.png go")
@@ -135,9 +135,11 @@ def main() -> int:
         "",
     ]
     (args.out / "latest.md").write_text("\n".join(report))
-    title = f"{machine}\n{started:%Y-%m-%d}: {command}"
-    plot(rows, args.out / "latest.png", title)
-    print(f"\nwrote {args.out / 'latest.md'} and {args.out / 'latest.png'}")
+    if importlib.util.find_spec("matplotlib") is None:
+        print(f"\nwrote {args.out / 'latest.md'}; no plot: matplotlib is missing (pip install -e '.[bench]')")
+    else:
+        plot(rows, args.out / "latest.png", f"{machine}\n{started:%Y-%m-%d}: {command}")
+        print(f"\nwrote {args.out / 'latest.md'} and {args.out / 'latest.png'}")
 
     for name, tail in failures:
         print(f"\nFAILED {name}; last lines of its output:\n" + "\n".join(f"    {line}" for line in tail))

@@ -13,6 +13,8 @@ Any LightningModule and LightningDataModule can be named by ``class_path`` in pl
 
 import os
 
+import torch
+
 from lightning_mgpu.cli import MGPULightningCLI
 
 # one thread per process: several CPU processes on a few cores must not fight over them
@@ -20,6 +22,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def main(args: list[str] | None = None) -> MGPULightningCLI:
+    torch.set_num_threads(1)  # torch is imported already: the environment variable reaches the launched ranks only
     return MGPULightningCLI(save_config_kwargs={"overwrite": True}, args=args)
 
 

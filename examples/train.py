@@ -15,7 +15,7 @@ batch as micro-batches, and training goes on with the same samples per optimizer
     skipped steps    1 (NaNSkip)
     OOM recoveries   1; micro-batch size 32 of 64 (OOMBackoff)
     peak memory      ...
-    memory plot      runs/main_example/.../memory_fit_rank0.png
+    memory timeline  runs/main_example/.../memory_fit_rank0.csv, ....png (the PNG with the plot extra)
 """
 
 import argparse
@@ -75,7 +75,8 @@ class ClassifierWithFaults(BlobClassifier):
 def peak_memory(monitor: GPUMemoryMonitor, world_size: int) -> str:
     if monitor.training_peak_mb is None:
         return "not measured (no training step was logged)"
-    return f"{monitor.training_peak_source} {monitor.training_peak_mb:.0f} MiB (max over {world_size} ranks)"
+    over = f" (max over {world_size} ranks)" if world_size > 1 else ""
+    return f"{monitor.training_peak_source} {monitor.training_peak_mb:.0f} MiB{over}"
 
 
 def summary(trainer: pl.Trainer, seconds: float) -> str:
@@ -86,6 +87,7 @@ def summary(trainer: pl.Trainer, seconds: float) -> str:
     choice = trainer.strategy.choice
     batch = trainer.datamodule.batch_size
     micro = oom.micro_batch_size if oom.micro_batch_size is not None else batch
+    files = (monitor.timeline_path, monitor.plot_path)
     metrics = ", ".join(f"{k} {float(v):.3f}" for k, v in trainer.callback_metrics.items() if k.startswith("val_"))
     rows = [
         ("strategy", f"{type(trainer.strategy).__name__} -> {choice.mode} ({choice.reason})"),
@@ -93,7 +95,7 @@ def summary(trainer: pl.Trainer, seconds: float) -> str:
         ("skipped steps", f"{nan_skip.skipped_steps} (NaNSkip)"),
         ("OOM recoveries", f"{oom.recoveries}; micro-batch size {micro} of {batch} (OOMBackoff)"),
         ("peak memory", peak_memory(monitor, trainer.world_size)),
-        ("memory plot", str(monitor.plot_path or monitor.timeline_path or "not written")),
+        ("memory timeline", ", ".join(str(p) for p in files if p) or "not written"),
         ("validation", metrics or "not run"),
         ("time", f"{seconds:.1f} s"),
     ]

@@ -33,8 +33,9 @@ def test_main_example_shows_every_callback_at_work_on_two_cpu_processes(tmp_path
     assert rows["skipped steps"] == "1 (NaNSkip)"  # the NaN loss injected on rank 1 at step 5
     assert rows["OOM recoveries"] == "1; micro-batch size 32 of 64 (OOMBackoff)"  # rank 1's limit of 48 samples
     assert re.fullmatch(r"host RSS \d+ MiB \(max over 2 ranks\)", rows["peak memory"]), rows["peak memory"]
-    plot = Path(rows["memory plot"])
-    assert plot.suffix == ".png" and plot.is_file() and plot.is_relative_to(tmp_path)
+    timeline, plot = map(Path, rows["memory timeline"].split(", "))  # the test extra installs matplotlib
+    assert timeline.suffix == ".csv" and plot.suffix == ".png"
+    assert timeline.is_file() and plot.is_file() and plot.is_relative_to(tmp_path)
     assert float(rows["validation"].split("val_acc ")[1].split(",")[0]) > 0.5
     # BatchNorm stays per process: OOMBackoff can run more micro-batches on one rank than on another
     assert "sync_batchnorm='auto' leaves BatchNorm per process: OOMBackoff" in result["output"]

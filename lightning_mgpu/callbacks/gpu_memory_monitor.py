@@ -107,8 +107,8 @@ class GPUMemoryMonitor(Callback):
 
     Raises:
         ValueError: a ``sample_hz`` outside (0, 100], a negative or non-finite ``warn_headroom_mb``, an empty
-            ``log_prefix``, an unknown name in ``metrics``, a ``prometheus_port`` outside 0-65535 or a
-            ``progress_bar`` that is not a bool.
+            ``log_prefix``, an unknown name in ``metrics`` or a ``prometheus_port`` outside 0-65535.
+        TypeError: a ``progress_bar`` that is not a bool.
         ModuleNotFoundError: ``prometheus_port`` is set but ``prometheus-client`` is not installed.
 
     Example::
@@ -153,7 +153,7 @@ class GPUMemoryMonitor(Callback):
                     f"got {metrics!r}"
                 )
         if not isinstance(progress_bar, bool):
-            raise ValueError(f"{owner}: progress_bar must be True or False, got {progress_bar!r}")
+            raise TypeError(f"{owner}: progress_bar must be True or False, got {progress_bar!r}")
         if prometheus_port is not None:
             if isinstance(prometheus_port, bool) or not isinstance(prometheus_port, int) or not prometheus_port >= 0:
                 raise ValueError(

@@ -68,8 +68,8 @@ class NaNSkip(Callback):
         progress_bar: show ``skipped`` in the progress bar.
 
     Raises:
-        ValueError: an unknown ``check``, a ``max_consecutive`` that is not a positive int or None, or a
-            ``progress_bar`` that is not a bool.
+        ValueError: an unknown ``check`` or a ``max_consecutive`` that is not a positive int or None.
+        TypeError: a ``progress_bar`` that is not a bool.
         NonFiniteStepsError: during ``fit``, see ``max_consecutive``.
 
     Example::
@@ -94,7 +94,7 @@ class NaNSkip(Callback):
                 f"{owner}: max_consecutive must be a positive int, got {max_consecutive!r}; use None for no limit"
             )
         if not isinstance(progress_bar, bool):
-            raise ValueError(f"{owner}: progress_bar must be True or False, got {progress_bar!r}")
+            raise TypeError(f"{owner}: progress_bar must be True or False, got {progress_bar!r}")
         self.check = check
         self.max_consecutive = max_consecutive
         self.log_skipped = log_skipped

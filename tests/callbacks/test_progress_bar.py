@@ -217,8 +217,8 @@ def test_progress_bar_false_adds_no_field(tmp_path, bar_calls):
 
 
 BUILDERS = {
-    "NaNSkip": (lambda value: NaNSkip(progress_bar=value), ValueError),
-    "GPUMemoryMonitor": (lambda value: GPUMemoryMonitor(progress_bar=value), ValueError),
+    "NaNSkip": (lambda value: NaNSkip(progress_bar=value), TypeError),
+    "GPUMemoryMonitor": (lambda value: GPUMemoryMonitor(progress_bar=value), TypeError),
     "GradientClipping": (lambda value: GradientClipping(mode="norm", max_norm=1.0, progress_bar=value), TypeError),
     "OOMBackoff": (lambda value: OOMBackoff(progress_bar=value), TypeError),
 }
