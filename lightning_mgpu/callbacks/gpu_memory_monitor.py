@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_mgpu._imports import MATPLOTLIB_AVAILABLE, PROMETHEUS_AVAILABLE
-from lightning_mgpu.callbacks._logging import has_progress_bar, show_in_progress_bar
+from lightning_mgpu.callbacks._logging import check_progress_bar, has_progress_bar, show_in_progress_bar
 from lightning_mgpu.strategies.data_parallel import DataParallelStrategy
 from lightning_mgpu.utilities.host_group import host_side_group
 from lightning_mgpu.utilities.memory_headroom import HeadroomWatch
@@ -152,8 +152,7 @@ class GPUMemoryMonitor(Callback):
                     f"{owner}: metrics must be a non-empty list of {', '.join(METRICS)} (or None for all), "
                     f"got {metrics!r}"
                 )
-        if not isinstance(progress_bar, bool):
-            raise TypeError(f"{owner}: progress_bar must be True or False, got {progress_bar!r}")
+        check_progress_bar(owner, progress_bar)
         if prometheus_port is not None:
             if isinstance(prometheus_port, bool) or not isinstance(prometheus_port, int) or not prometheus_port >= 0:
                 raise ValueError(

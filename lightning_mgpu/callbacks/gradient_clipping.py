@@ -15,7 +15,12 @@ from typing_extensions import override
 
 from lightning_mgpu.callbacks._amp import params_to_step
 from lightning_mgpu.callbacks._grad_norms import clear_gradient_norms, gradient_norms
-from lightning_mgpu.callbacks._logging import has_progress_bar, is_logging_step, show_in_progress_bar
+from lightning_mgpu.callbacks._logging import (
+    check_progress_bar,
+    has_progress_bar,
+    is_logging_step,
+    show_in_progress_bar,
+)
 from lightning_mgpu.utilities.clip_grad import (
     GradNormStatistics,
     adaptive_clip_grads_,
@@ -146,8 +151,7 @@ class GradientClipping(Callback):
             raise TypeError(f"{owner}: exclude must be a list of name patterns, got {exclude!r}")
         if exclude and mode != "agc":
             raise ValueError(f"{owner}: exclude belongs to mode='agc', not mode={mode!r}")
-        if not isinstance(progress_bar, bool):
-            raise TypeError(f"{owner}: progress_bar must be True or False, got {progress_bar!r}")
+        check_progress_bar(owner, progress_bar)
 
         self.mode = mode
         self.norm_type = float(norm_type)

@@ -13,7 +13,12 @@ from typing_extensions import override
 
 from lightning_mgpu.callbacks._amp import params_to_step
 from lightning_mgpu.callbacks._grad_norms import clear_gradient_norms, gradient_norms
-from lightning_mgpu.callbacks._logging import has_progress_bar, is_logging_step, show_in_progress_bar
+from lightning_mgpu.callbacks._logging import (
+    check_progress_bar,
+    has_progress_bar,
+    is_logging_step,
+    show_in_progress_bar,
+)
 
 CheckTarget = Literal["loss", "grads", "both"]
 CHECK_TARGETS: tuple[str, ...] = get_args(CheckTarget)
@@ -93,8 +98,7 @@ class NaNSkip(Callback):
             raise ValueError(
                 f"{owner}: max_consecutive must be a positive int, got {max_consecutive!r}; use None for no limit"
             )
-        if not isinstance(progress_bar, bool):
-            raise TypeError(f"{owner}: progress_bar must be True or False, got {progress_bar!r}")
+        check_progress_bar(owner, progress_bar)
         self.check = check
         self.max_consecutive = max_consecutive
         self.log_skipped = log_skipped

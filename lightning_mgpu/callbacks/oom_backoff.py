@@ -12,7 +12,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.modules.batchnorm import SyncBatchNorm
 from typing_extensions import override
 
-from lightning_mgpu.callbacks._logging import has_progress_bar, show_in_progress_bar
+from lightning_mgpu.callbacks._logging import check_progress_bar, has_progress_bar, show_in_progress_bar
 from lightning_mgpu.callbacks._oom_training import MicroBatchTrainer, OOMRecoveryError, _BackoffOptimization
 from lightning_mgpu.callbacks._step_logs import LoggedCall, capture_logs, replay_logs
 from lightning_mgpu.strategies.ddp import DDPStrategy
@@ -143,8 +143,7 @@ class OOMBackoff(Callback):
             raise ValueError(f"{name}: loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
         if not isinstance(batch_arg_name, str) or not batch_arg_name:
             raise ValueError(f"{name}: batch_arg_name must be a non-empty attribute name, got {batch_arg_name!r}")
-        if not isinstance(progress_bar, bool):
-            raise TypeError(f"{name}: progress_bar must be True or False, got {progress_bar!r}")
+        check_progress_bar(name, progress_bar)
         self.min_micro_batch_size = min_micro_batch_size
         self.keep_effective_batch = keep_effective_batch
         self.probe_up_after = probe_up_after
