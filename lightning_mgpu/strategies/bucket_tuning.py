@@ -65,7 +65,8 @@ class BucketTuningResult:
             with no hook or the fixed hook).
         margin: the share of the baseline's step time a setting had to gain to be chosen.
         tuning_steps: optimizer steps the tuning spanned, warm-up included.
-        tuning_seconds: wall time of those steps.
+        tuning_seconds: wall time of the steps that compared settings: warm-up left out, so a first step's
+            compilation (``torch.compile``) or data-loader start is not counted.
         world_size: the number of processes the timings were taken with.
 
     Example::
@@ -303,8 +304,8 @@ class BucketTuner:
         """
         if self.done or self.needs_decision:
             return None
-        if self._first_start is None:
-            self._first_start = now
+        if self._first_start is None and self._steps == WARMUP_STEPS:
+            self._first_start = now  # warm-up steps (a first step's compilation, say) are no cost of tuning
         if self._timing is not None and self._previous_start is not None and not discard:
             self._durations.setdefault(self._timing, []).append(now - self._previous_start)
         self._previous_start = now

@@ -91,6 +91,20 @@ def test_tuner_times_each_size_on_its_own_steps_and_keeps_the_fastest():
     assert (result.baseline, result.margin) == ("default", MIN_GAIN)  # equal steps: no noise
 
 
+def test_tuning_seconds_leave_out_the_warm_up_steps():
+    # a first step of 6 s (torch.compile compiling) is not time spent comparing bucket sizes
+    tuner = BucketTuner([None, 5], [], fixed_hook=None, budget=12, world_size=2)
+    now, step = 0.0, 0
+    tuner.step_started(now)
+    while not tuner.needs_decision:
+        now += 6.0 if step == 0 else 0.1
+        step += 1
+        tuner.step_started(now)
+    tuner.decide(tuner.timings(), now)
+    compared = tuner.result.tuning_steps - WARMUP_STEPS
+    assert tuner.result.tuning_seconds == pytest.approx(compared * 0.1)
+
+
 def test_tuner_tries_hooks_at_the_chosen_size_against_no_hook():
     cost = {Trial(None): 0.1, Trial(5): 0.08, Trial(5, "fp16"): 0.09, Trial(5, "bf16"): 0.06}
     tuner = BucketTuner([None, 5], ["fp16", "bf16"], fixed_hook=None, budget=22, world_size=2)
