@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -161,6 +162,7 @@ class GradientClipping(Callback):
         self.progress_bar = progress_bar
         self.statistics = GradNormStatistics(decay=options.get("decay", 0.97))
         self._excluded_ids: set[int] = set()
+        self._warned_unmatched = False
         self._state_key: str | None = None
         self._bar_norm: Tensor | None = None  # the norm of a logging step, for the bar at the end of its batch
 
@@ -183,12 +185,22 @@ class GradientClipping(Callback):
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # after configure_model, which may build layers (the classifier to exclude, say) after setup
+        names = [name for name, _ in pl_module.named_parameters()]
+        matched = {pattern: fnmatch.filter(names, pattern) for pattern in self.exclude}
         self._excluded_ids = {
             id(param)
             for name, param in pl_module.named_parameters()
             if any(fnmatch.fnmatchcase(name, pattern) for pattern in self.exclude)
         }
         self._bar_norm = None
+        unmatched = [pattern for pattern, found in matched.items() if not found]
+        if unmatched and not self._warned_unmatched:
+            self._warned_unmatched = True
+            shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+            rank_zero_warn(
+                f"{type(self).__name__}(mode='agc'): exclude pattern(s) {unmatched} match no parameter of "
+                f"{type(pl_module).__name__}, so those layers are clipped too. Parameter names look like: {shown}"
+            )
 
     @override
     def on_before_optimizer_step(

@@ -1,4 +1,5 @@
 import copy
+import warnings
 
 import pytest
 import torch
@@ -65,6 +66,23 @@ def test_agc_leaves_excluded_layers_alone():
     moved = (model.layer.weight - start.layer.weight).norm(dim=1)
     limit = 0.1 * 1e-3 * start.layer.weight.norm(dim=1)
     assert torch.all(moved <= limit * (1 + 1e-4))
+
+
+def test_agc_warns_once_about_exclude_patterns_that_match_nothing():
+    clipping = GradientClipping(mode="agc", clip_factor=1e-3, exclude=["head.*", "layer.bias"])
+    with pytest.warns(
+        UserWarning, match=r"exclude pattern\(s\) \['head\.\*'\] match no parameter of LoudModel.*layer\.weight"
+    ):
+        fit(LoudModel(), steps=1, callbacks=[clipping])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*match no parameter.*")  # a second fit of it stays quiet
+        fit(LoudModel(), steps=1, callbacks=[clipping])
+
+
+def test_agc_exclude_patterns_that_match_say_nothing():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*match no parameter.*")
+        fit(LoudModel(), steps=1, callbacks=[GradientClipping(mode="agc", clip_factor=1e-3, exclude=["layer.*"])])
 
 
 def test_zscore_statistics_resume_from_checkpoint(tmp_path):
