@@ -2,7 +2,6 @@
 
 import contextlib
 import math
-import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from lightning_mgpu.utilities.memory_sampler import GPU_METRICS, HOST_METRICS, M
 from lightning_mgpu.utilities.memory_timeline import MemoryTimeline, plot_timeline, unused_path
 from lightning_mgpu.utilities.nvml import NVMLSession, torch_device_uuid
 from lightning_mgpu.utilities.prometheus_exporter import PrometheusExporter
+from lightning_mgpu.utilities.training_events import EventFile, EventKind, EventLog, events_path
 
 RANK_STATISTICS: tuple[str, ...] = ("max_rank", "min", "mean", "max")
 METRICS: tuple[str, ...] = GPU_METRICS + HOST_METRICS
@@ -74,9 +74,23 @@ class GPUMemoryMonitor(Callback):
     timeline that cannot be written, a port that is taken or a plot that fails: each warns and is skipped.
 
     Each rank writes a CSV timeline of every sample as it goes (``memory_<fn>_rank<r>.csv`` under
-    ``timeline_dir``, ``-v1``, ``-v2``... when the name is taken, so a resumed run keeps the first one's); at the end
-    of the stage it is plotted (``.png``, memory over steps with each stage's peak
-    marked) when matplotlib is installed (``pip install lightning-mgpu[plot]``) and rank 0 prints the paths.
+    ``timeline_dir``, ``-v1``, ``-v2``... when the name is taken, so a resumed run keeps the first one's). Besides
+    the thread's samples, the timeline gets one at each stage boundary (training start and end, each validation
+    run's start and end), at each step Lightning's loggers write and at each event (at most one per 20 ms), so a
+    short run has points too: host reads on the loop's thread (about 0.2 ms on CPU), no device synchronisation.
+
+    Events go beside it in ``memory_<fn>_rank<r>.events.csv`` (``step, time_s, kind, detail``; ``events_path``):
+    out-of-memory backoffs (from :class:`OOMBackoff`), skipped steps (from :class:`NaNSkip`), headroom warnings,
+    validation runs, training start and end. The pack's callbacks record them on the host when they know of them
+    (their ``events``), and this monitor reads those records at points where it runs anyway: no collective, no
+    device read.
+
+    At the end of the stage the timeline is plotted (``.png``) when matplotlib is installed
+    (``pip install lightning-mgpu[plot]``): the memory used against what the process could hold (allocated +
+    headroom on a GPU, resident + available on the host) and the ``warn_headroom_mb`` threshold below it, on an
+    axis from 0, with a zoomed panel (labelled as such) when the memory used is small next to the limit; events are
+    vertical lines, the peak is marked. Rank 0 prints the paths.
+
     With ``prometheus_port`` each rank serves the same numbers as Prometheus gauges labelled by rank and GPU UUID at
     ``http://<prometheus_host>:<prometheus_port + local rank>/metrics`` (``pip install lightning-mgpu[prometheus]``).
 
@@ -96,7 +110,10 @@ class GPUMemoryMonitor(Callback):
         log_prefix: the first part of every logged key.
         metrics: log only these metrics (names as above, without the slot: ``["peak_allocated_mb", "headroom_mb"]``);
             ``None`` logs all. The timeline, the exporter and the early warning always see every metric.
-        timeline_dir: where the CSV timelines and plots go; ``None`` for ``<trainer.log_dir>/memory_timeline``.
+        timeline_dir: where the CSV timelines and plots go. ``None``: ``<trainer.log_dir>/memory_timeline`` with a
+            logger; with ``logger=False``, ``<default_root_dir>/memory_timeline`` when ``Trainer(default_root_dir=...)``
+            is a directory other than the working directory, else nowhere (one warning says how to get one): the
+            working directory is not filled with files nobody asked for.
         plot: plot each timeline to a PNG at the end (needs matplotlib; skipped without it).
         track_peak: reset the allocator's peak after each sample so peaks are per window; this also resets what
             ``torch.cuda.max_memory_allocated`` reports. With ``False`` the peak is the one since process start.
@@ -176,7 +193,11 @@ class GPUMemoryMonitor(Callback):
         self.prometheus_host = prometheus_host
         self.progress_bar = progress_bar
         self.timeline_path: Path | None = None
+        self.events_path: Path | None = None
         self.plot_path: Path | None = None
+        # this monitor's own events (validation runs, stage boundaries, headroom warnings)
+        self.events = EventLog()
+        self._warned_no_directory = False
         # the largest peak_mem_mb figure over the fit's logged training windows, on rank 0; what it measures
         self.training_peak_mb: float | None = None
         self.training_peak_source: str | None = None
@@ -191,6 +212,8 @@ class GPUMemoryMonitor(Callback):
         self._timeline: MemoryTimeline | None = None
         self._exporter: PrometheusExporter | None = None
         self._watch: HeadroomWatch | None = None
+        self._event_file: EventFile | None = None
+        self._event_sources: list[list[Any]] = []  # [log, events of it already read]
         self._gather_group: Any = None
         self._gather_device = torch.device("cpu")
         self._rank = 0
@@ -212,13 +235,10 @@ class GPUMemoryMonitor(Callback):
         self._rank, self._local_rank, self._world_size = trainer.global_rank, trainer.local_rank, trainer.world_size
         fn = str(getattr(stage, "value", stage))
         # the collectives first, on every rank, before anything that could fail on one rank only
-        directory = Path(
-            self.timeline_dir or os.path.join(trainer.log_dir or trainer.default_root_dir, "memory_timeline")
-        )
+        directory = self._timeline_directory(trainer)
         self._setup_gather(trainer)
 
         gpus = self._monitored_gpus(trainer)
-        self._watch = HeadroomWatch(self.warn_headroom_mb, warn=self._warn_headroom, rank=self._rank)
         sampler = MemorySampler(
             gpus,
             self._nvml,
@@ -228,17 +248,26 @@ class GPUMemoryMonitor(Callback):
             warn=self._warn_on_this_rank,
         )
         sampler.set_stage(_FIRST_STAGE.get(fn, fn))
+        self._watch = HeadroomWatch(
+            self.warn_headroom_mb, warn=lambda message: self._warn_headroom(message, sampler), rank=self._rank
+        )
         sampler.listeners = [self._watch]
         self.plot_path = None
         if fn == "fit":
             self.training_peak_mb, self.training_peak_source = None, None
-        try:
-            self._timeline = MemoryTimeline(unused_path(directory / f"memory_{fn}_rank{self._rank}.csv"), sampler.keys)
-            self.timeline_path = self._timeline.path
-            sampler.listeners.append(self._timeline)
-        except OSError as err:
-            self.timeline_path = None
-            self._warn_on_this_rank(f"cannot write the memory timeline under {directory}: {err}; it is skipped")
+        self._event_sources = [[log, log.recorded] for log in _event_logs(trainer)]
+        self.timeline_path = self.events_path = None
+        if directory is not None:
+            try:
+                self._timeline = MemoryTimeline(
+                    unused_path(directory / f"memory_{fn}_rank{self._rank}.csv"), sampler.keys
+                )
+                self.timeline_path = self._timeline.path
+                sampler.listeners.append(self._timeline)
+                self._event_file = EventFile(events_path(self._timeline.path), sampler.started_at)
+                self.events_path = self._event_file.path
+            except OSError as err:
+                self._warn_on_this_rank(f"cannot write the memory timeline under {directory}: {err}; it is skipped")
         self.prometheus_url = None
         if self.prometheus_port is not None:
             self._start_exporter(trainer.local_rank, gpus)
@@ -246,21 +275,34 @@ class GPUMemoryMonitor(Callback):
                 sampler.listeners.append(self._exporter)
         self._sampler = sampler
         sampler.start()
+        if self._event_file is not None:
+            self._event_file.time_origin = sampler.started_at
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self._sampler is not None:
             self._sampler.set_stage("train", fresh=False)
+            self._mark(trainer, "stage", "train start")
+
+    @override
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._sampler is not None:
+            self._mark(trainer, "stage", "train end")
 
     @override
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._sampler is None:
+            return
+        if self._collect_events():  # a Python comparison per source when nothing happened
+            self._sampler.sample_now()
         # Lightning's own decision, so these rows land on the steps its loggers write anyway, once per optimizer step
-        if self._sampler is None or not trainer._logger_connector.should_update_logs:
+        if not trainer._logger_connector.should_update_logs:
             return
         if pl_module.automatic_optimization and trainer.fit_loop._should_accumulate():
             return
+        self._sampler.sample_now()
         window = self._log_window(trainer, stage=None)
         if window is None:
             return
@@ -276,6 +318,7 @@ class GPUMemoryMonitor(Callback):
     def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self._sampler is not None:
             self._sampler.set_stage("sanity_check" if trainer.sanity_checking else "validate")
+            self._mark(trainer, "validation", "sanity check" if trainer.sanity_checking else "")
 
     @override
     def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -311,18 +354,61 @@ class GPUMemoryMonitor(Callback):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         # threads, open files, HTTP servers and process groups cannot travel into spawned workers
-        for name in ("_sampler", "_timeline", "_exporter", "_watch", "_gather_group"):
+        for name in ("_sampler", "_timeline", "_exporter", "_watch", "_gather_group", "_event_file"):
             state[name] = None
         return state
 
     def _end_stage(self, trainer: "pl.Trainer", stage: str) -> None:
         if self._sampler is None:
             return
+        self._sampler.sample_now(min_gap_s=0.0)
         if not trainer.sanity_checking:
             self._log_window(trainer, stage=stage)
         if trainer.state.fn == TrainerFn.FITTING:
             # back to training, whose window still holds the samples from before this validation
             self._sampler.set_stage("train", fresh=False)
+
+    def _timeline_directory(self, trainer: "pl.Trainer") -> Path | None:
+        """Where the timeline goes (see ``timeline_dir``); ``None`` for nowhere. Calls ``log_dir`` on every rank."""
+        if self.timeline_dir is not None:
+            return Path(self.timeline_dir)
+        log_dir = trainer.log_dir  # a broadcast from rank 0: every rank takes the same decision below
+        if trainer.loggers and log_dir:
+            return Path(log_dir) / "memory_timeline"
+        root = Path(trainer.default_root_dir)
+        if root.resolve() != Path.cwd().resolve():
+            return root / "memory_timeline"
+        if not self._warned_no_directory:
+            self._warned_no_directory = True
+            rank_zero_warn(
+                f"{type(self).__name__}: no logger and no Trainer(default_root_dir=...), so no memory timeline is "
+                "written (rather than into the working directory); pass timeline_dir=... or default_root_dir=... "
+                "for one. Logging and the early warning work as usual."
+            )
+        return None
+
+    def _mark(self, trainer: "pl.Trainer", kind: EventKind, detail: str) -> None:
+        """Record one of this monitor's events, take a sample there and write what every source recorded."""
+        self.events.record(trainer.global_step, kind, detail)
+        self._collect_events()
+        if self._sampler is not None:
+            self._sampler.sample_now(min_gap_s=0.0)
+
+    def _collect_events(self) -> int:
+        """Write what the event logs recorded since the last look; returns how many events that was."""
+        new = []
+        for source in self._event_sources:
+            log, seen = source
+            if log.recorded != seen:
+                new += log.since(seen)
+                source[1] = log.recorded
+        if new and self._event_file is not None:
+            try:
+                self._event_file.write(sorted(new, key=lambda event: event.time))
+            except OSError as err:
+                self._event_file = None
+                self._warn_on_this_rank(f"cannot write the events beside the memory timeline: {err}; they are skipped")
+        return len(new)
 
     def _monitored_gpus(self, trainer: "pl.Trainer") -> list[MonitoredGPU]:
         strategy = trainer.strategy
@@ -386,7 +472,11 @@ class GPUMemoryMonitor(Callback):
             logger.log_metrics(metrics, step=step)
         return window
 
-    def _warn_headroom(self, message: str) -> None:
+    def _warn_headroom(self, message: str, sampler: MemorySampler) -> None:
+        # called from the sampler thread, inside the sample that crossed the line: its step is the latest one
+        step = sampler.latest.step if sampler.latest is not None else 0
+        cause = "allocator retries" if "retry" in message else f"headroom < {self.warn_headroom_mb:g} MiB"
+        self.events.record(step, "headroom_warning", cause)
         warnings.warn(message, MemoryHeadroomWarning, stacklevel=2)
 
     def _warn_on_this_rank(self, message: str) -> None:
@@ -402,6 +492,8 @@ class GPUMemoryMonitor(Callback):
         """Stop everything this stage started; each part on its own, so one failure cannot leak the others."""
         sampler, timeline, exporter, group = self._sampler, self._timeline, self._exporter, self._gather_group
         watch = self._watch
+        self._collect_events()
+        event_file = self._event_file
         self._reset_run_state()
         self._watch = watch
         if sampler is not None:
@@ -415,20 +507,29 @@ class GPUMemoryMonitor(Callback):
         if group is not None:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group(group)
+        if event_file is not None:
+            event_file.close()
         if timeline is None:
             return
         timeline.close()
         if plot and self.plot and MATPLOTLIB_AVAILABLE:
             try:
-                self.plot_path = plot_timeline(timeline.path, timeline.path.with_suffix(".png"))
+                self.plot_path = plot_timeline(
+                    timeline.path, timeline.path.with_suffix(".png"), warn_headroom_mb=self.warn_headroom_mb
+                )
             except Exception as err:
                 self._warn_on_this_rank(f"plotting {timeline.path} failed: {err!r}; the CSV is complete")
         if print_paths:
-            written = ", ".join(str(p) for p in (timeline.path, self.plot_path) if p is not None)
+            written = ", ".join(str(p) for p in (timeline.path, self.plot_path, self.events_path) if p is not None)
             rank_zero_info(
                 f"{type(self).__name__}: memory timeline of rank 0 written to {written}; other ranks wrote theirs "
                 "beside it"
             )
+
+
+def _event_logs(trainer: "pl.Trainer") -> list[EventLog]:
+    """The event records of the trainer's callbacks (this monitor's included): ``callback.events``."""
+    return [cb.events for cb in trainer.callbacks if isinstance(getattr(cb, "events", None), EventLog)]
 
 
 def _metric_of(key: str) -> str:

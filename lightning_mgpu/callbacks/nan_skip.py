@@ -19,6 +19,7 @@ from lightning_mgpu.callbacks._logging import (
     is_logging_step,
     show_in_progress_bar,
 )
+from lightning_mgpu.utilities.training_events import EventLog
 
 CheckTarget = Literal["loss", "grads", "both"]
 CHECK_TARGETS: tuple[str, ...] = get_args(CheckTarget)
@@ -59,6 +60,14 @@ class NaNSkip(Callback):
     Logged key, on the steps Lightning's loggers write (every ``log_every_n_steps``; a ``self.log`` call costs about
     0.6 ms on CPU): ``skipped_steps`` (count, total since the start of training). A summary is
     printed on rank 0 at the end of ``fit``. The counters are saved in checkpoints.
+
+    One info line is printed on rank 0 when a step is skipped, as soon as it is known on the host without an extra
+    device read: at once where the flag is read on the host anyway ("skipped optimizer step 12: the loss is NaN or
+    Inf"), and for fused optimizers, which skip on the device, at the next logging step or at the end of training
+    ("3 optimizer steps skipped since step 40"). A storm stays readable: after 10 lines, one line per 100 skipped
+    steps. Each skip is also recorded in ``events`` (an :class:`~lightning_mgpu.utilities.training_events.EventLog`),
+    which :class:`~lightning_mgpu.GPUMemoryMonitor` marks on its memory timeline. Under several processes every rank
+    skips the same steps; the cause named is what rank 0 saw (another rank's NaN loss reaches it as NaN gradients).
 
     Progress bar field, with ``progress_bar=True`` and a Trainer that draws a bar: ``skipped``, the same total,
     refreshed at the end of the same logging steps (never with ``log_every_n_steps=0``), where the count is read from
@@ -119,6 +128,11 @@ class NaNSkip(Callback):
         self._hooks: list[Any] = []
         self._lagged = _LaggedRead()
         self._bar_due = False
+        self.events = EventLog()
+        self._lines = _SkipLines()
+        self._reported = 0  # skipped steps already reported, a host-side count
+        self._unread_from: int | None = None  # the first step whose skip decision stayed on the device, unread
+        self._report_due = False
 
     @property
     def skipped_steps(self) -> int:
@@ -138,6 +152,9 @@ class NaNSkip(Callback):
         self._last_bad_norms = None
         self._lagged = _LaggedRead()
         self._bar_due = False
+        self._lines = _SkipLines()
+        self._unread_from = None
+        self._report_due = False
         clear_gradient_norms()
         # after configure_model, which may build layers after setup
         self._names = {id(p): name for name, p in pl_module.named_parameters()}
@@ -189,10 +206,13 @@ class NaNSkip(Callback):
             # the fused kernels leave parameters and state as they were where this is 1
             self._found_inf = optimizer.found_inf = bad.float()
             self._restore_buffers(bad)
+            if self._unread_from is None:
+                self._unread_from = trainer.global_step
         elif bool(bad):  # one host read per optimizer step for optimizers that cannot skip on the device
             for param in params:
                 param.grad = None
             self._restore_buffers(None)
+            self._report_skip(trainer.global_step, *self._cause())
         self._snapshot = None
         self._loss_bad = None
         if not is_logging_step(trainer):
@@ -201,15 +221,62 @@ class NaNSkip(Callback):
             pl_module.log("skipped_steps", self._skipped.float(), on_step=True, on_epoch=False)
         # read at the end of the batch, once the optimizer step is queued, not before it
         self._bar_due = self.progress_bar and has_progress_bar(trainer)
+        self._report_due = self._unread_from is not None
 
     @override
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not self._bar_due:
+        if not (self._bar_due or self._report_due):
             return
-        self._bar_due = False
-        show_in_progress_bar(pl_module, "skipped", self.skipped_steps)
+        skipped = self.skipped_steps  # one device read, on a logging step
+        if self._report_due:
+            self._report_due = False
+            self._report_unread(trainer, skipped)
+        if self._bar_due:
+            self._bar_due = False
+            show_in_progress_bar(pl_module, "skipped", skipped)
+
+    @override
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._unread_from is not None:  # skips on the device since the last logging step
+            self._report_unread(trainer, self.skipped_steps)
+
+    def _cause(self) -> tuple[str, str]:
+        """What tripped, short and long; read only when a step is skipped (the flag was just read on the host)."""
+        if self._loss_bad is not None and bool(self._loss_bad):
+            return "NaN/Inf loss", "the loss is NaN or Inf"
+        if self._distributed and self.check != "grads":
+            return "NaN/Inf gradients", (
+                "NaN or Inf gradients (after the all-reduce: this rank's gradients, or another rank's loss)"
+            )
+        return "NaN/Inf gradients", "NaN or Inf gradients"
+
+    def _report_skip(self, step: int, short: str, cause: str) -> None:
+        before, self._reported = self._reported, self._reported + 1
+        self.events.record(step, "skipped_steps", short)
+        suffix = self._lines.due(before, self._reported)
+        if suffix is not None:
+            rank_zero_info(
+                f"{type(self).__name__}: skipped optimizer step {step}: {cause}; {self._reported} skipped so far"
+                f"{suffix}."
+            )
+
+    def _report_unread(self, trainer: "pl.Trainer", skipped: int) -> None:
+        since, self._unread_from = self._unread_from, None
+        new = skipped - self._reported
+        if new <= 0:
+            return
+        before, self._reported = self._reported, skipped
+        last = trainer.global_step - 1  # the step counter already moved past the last optimizer step
+        self.events.record(last, "skipped_steps", f"{new} in steps {since}-{last}")
+        suffix = self._lines.due(before, skipped)
+        if suffix is not None:
+            steps = "step" if new == 1 else "steps"
+            rank_zero_info(
+                f"{type(self).__name__}: {new} optimizer {steps} skipped since step {since} (through step {last}; "
+                f"the fused optimizer skips on the device, read at logging steps); {skipped} skipped so far{suffix}."
+            )
 
     def _drop_found_inf(self, optimizer: Optimizer, *_: Any) -> None:
         if self._found_inf is not None and optimizer.__dict__.get("found_inf") is self._found_inf:
@@ -293,6 +360,7 @@ class NaNSkip(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._skipped = torch.tensor(int(state_dict.get("skipped_steps", 0)), device=self._skipped.device)
+        self._reported = int(self._skipped)  # reported by the run that saved them
         self._consecutive = torch.tensor(int(state_dict.get("consecutive", 0)), device=self._consecutive.device)
         self.optimizer_steps = int(state_dict.get("optimizer_steps", 0))
 
@@ -309,6 +377,28 @@ def _skips_on_device(optimizer: Optimizer, trainer: "pl.Trainer", params: list[T
     if isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum", 0) for g in optimizer.param_groups):
         return all("momentum_buffer" in optimizer.state.get(p, {}) for p in params)
     return True
+
+
+class _SkipLines:
+    """Which skip reports get a line, so that a storm of skips does not flood the log.
+
+    Each of the first ``first`` reports gets one, then a report gets one when the count passes a multiple of ``every``.
+    """
+
+    def __init__(self, first: int = 10, every: int = 100) -> None:
+        self.first = first
+        self.every = every
+        self.printed = 0
+
+    def due(self, before: int, after: int) -> str | None:
+        """``None`` for no line, else the end of the line (``""``, or a note on the rate limit)."""
+        if self.printed < self.first:
+            self.printed += 1
+            return f"; from now on one line per {self.every} skipped steps" if self.printed == self.first else ""
+        if after // self.every > before // self.every:
+            self.printed += 1
+            return f" (one line per {self.every} skipped steps)"
+        return None
 
 
 class _LaggedRead:

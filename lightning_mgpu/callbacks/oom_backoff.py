@@ -20,6 +20,7 @@ from lightning_mgpu.utilities.batch_split import batch_size_of, combine_outputs,
 from lightning_mgpu.utilities.distributed_batchnorm import DistributedBatchNorm
 from lightning_mgpu.utilities.oom import is_out_of_memory, memory_summary, release_memory
 from lightning_mgpu.utilities.step_rollback import StepRollback
+from lightning_mgpu.utilities.training_events import EventLog
 
 LossReduction = Literal["mean", "sum"]
 LOSS_REDUCTIONS: tuple[str, ...] = get_args(LossReduction)
@@ -168,6 +169,7 @@ class OOMBackoff(Callback):
         self._largest_batch = 0  # this fit's, for the progress bar: a short last batch is no smaller micro-batch
         self._bar_on = False
         self._bar_shown: int | None = None
+        self.events = EventLog()  # each backoff, for GPUMemoryMonitor's timeline
 
     # ------------------------------------------------------------------------------------------ lifecycle
     @override
@@ -334,6 +336,8 @@ class OOMBackoff(Callback):
         step = self._trainer.global_step if self._trainer is not None else 0
         self._good_batches = 0
         self.micro_batch_size = new
+        probe = "failed probe, " if probing else ""
+        self.events.record(step, "oom_backoff", f"{probe}rank {oom_rank}, micro-batch {old} -> {new}")
         if probing:
             self._probe_wait = 2 * (self._probe_wait or 1)
             rank_zero_info(
@@ -467,6 +471,8 @@ class OOMBackoff(Callback):
             release_memory()
             old, size = size, max(self.min_micro_batch_size, size // 2)
             self.eval_micro_batch_size = size
+            step = self._trainer.global_step if self._trainer is not None else 0
+            self.events.record(step, "oom_backoff", f"{hook_name}, micro-batch {old} -> {size}")
             rank_zero_info(
                 f"{type(self).__name__}: {hook_name} ran out of memory at micro-batch size {old};"
                 f" evaluation micro-batch size {old} -> {size} (training's is unchanged)."

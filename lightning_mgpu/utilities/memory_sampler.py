@@ -154,6 +154,8 @@ class MemorySampler:
         self.failures: list[str] = []
         self._windows: dict[str, _Window] = {}
         self._lock = threading.Lock()
+        # the loop's thread samples too (stage boundaries, events): listeners such as the CSV writer see one at a time
+        self._listener_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._start_time = time.monotonic()
@@ -180,6 +182,11 @@ class MemorySampler:
         self._thread = None
         if not stuck:
             self._sample_safely()
+
+    @property
+    def started_at(self) -> float:
+        """The ``time.monotonic()`` that samples' ``time_s`` counts from."""
+        return self._start_time
 
     @property
     def running(self) -> bool:
@@ -230,14 +237,30 @@ class MemorySampler:
             self._windows.setdefault(self.stage, _Window()).add(values)
             self.latest = sample
             self.samples_taken += 1
-        for listener in list(self.listeners):
-            try:
-                listener(sample)
-            except Exception as err:
-                # a full disk under the timeline must not stop the sampling the early warning depends on
-                self.listeners.remove(listener)
-                self._failed(f"{_name(listener)} failed and is switched off: {err!r}")
+        with self._listener_lock:
+            for listener in list(self.listeners):
+                try:
+                    listener(sample)
+                except Exception as err:
+                    # a full disk under the timeline must not stop the sampling the early warning depends on
+                    self.listeners.remove(listener)
+                    self._failed(f"{_name(listener)} failed and is switched off: {err!r}")
         return sample
+
+    def sample_now(self, min_gap_s: float = 0.02) -> bool:
+        """Sample on the calling thread, unless a sample was taken in the last ``min_gap_s`` seconds.
+
+        For the points a short run would otherwise miss (stage boundaries, events, logging steps): a read of ``/proc``
+        and of the allocator's counters, and NVML queries, on the host; no device synchronisation.
+
+        Returns:
+            Whether a sample was taken.
+        """
+        latest = self.latest
+        if latest is not None and time.monotonic() - self._start_time - latest.time_s < min_gap_s:
+            return False
+        self._sample_safely()
+        return True
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):

@@ -18,10 +18,13 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_mgpu import GPUMemoryMonitor, MemoryHeadroomWarning
+from lightning_mgpu import GPUMemoryMonitor, MemoryHeadroomWarning, NaNSkip, OOMBackoff
 from lightning_mgpu.callbacks.gpu_memory_monitor import summarize_across_ranks
 from lightning_mgpu.utilities import memory_sampler
 from lightning_mgpu.utilities.host_memory import host_available_mb, process_rss_mb
+from lightning_mgpu.utilities.memory_timeline import timeline_plot
+from lightning_mgpu.utilities.training_events import read_events
+from tests.helpers.oom_models import IndexedRegression
 from tests.helpers.processes import run_script
 from tests.helpers.runif import cuda_gpus
 
@@ -341,3 +344,86 @@ def test_gpu_fit_logs_nvml_and_allocator_keys_and_warns_on_low_headroom(tmp_path
     assert 0 <= float(row["gpu_monitor/gpu0/temperature_c"]) < 120
     assert float(row["gpu_monitor/gpu0/power_w"]) > 0
     assert any(issubclass(w.category, MemoryHeadroomWarning) and "gpu0" in str(w.message) for w in caught)
+
+
+def test_without_a_logger_or_root_dir_nothing_is_written_into_the_working_directory(tmp_path, monkeypatch):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    monitor = GPUMemoryMonitor(sample_hz=50, warn_headroom_mb=None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            Trainer(accelerator="cpu", max_steps=3, logger=False, callbacks=[monitor], **QUIET).fit(SlowModel())
+    assert list(cwd.iterdir()) == []
+    assert monitor.timeline_path is None and monitor.events_path is None and monitor.plot_path is None
+    ours = [str(w.message) for w in caught if "no memory timeline is written" in str(w.message)]
+    assert len(ours) == 1, ours  # once, not once per fit
+    assert "pass timeline_dir=... or default_root_dir=..." in ours[0]
+
+
+def test_without_a_logger_the_timeline_goes_under_default_root_dir(tmp_path, monkeypatch):
+    cwd, root = tmp_path / "cwd", tmp_path / "root"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    monitor = GPUMemoryMonitor(sample_hz=50, warn_headroom_mb=None, plot=False)
+    trainer = Trainer(accelerator="cpu", max_steps=3, logger=False, default_root_dir=root, callbacks=[monitor], **QUIET)
+    trainer.fit(SlowModel())
+    assert list(cwd.iterdir()) == []
+    assert monitor.timeline_path == root / "memory_timeline" / "memory_fit_rank0.csv"
+    assert monitor.events_path == root / "memory_timeline" / "memory_fit_rank0.events.csv"
+    assert monitor.timeline_path.is_file() and monitor.events_path.is_file()
+
+
+class FaultyRegression(IndexedRegression):
+    """Runs out of memory on batches over 4 samples from batch 3 on (OOMBackoff halves 8 to 4); NaN loss at step 5.
+
+    Each step takes 25 ms or more, more than the 20 ms the monitor leaves between two samples of its own.
+    """
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(0.025)
+        loss = super().training_step(batch, batch_idx)
+        return loss + float("nan") if self.trainer.global_step == 5 else loss
+
+
+def test_the_timeline_marks_the_runs_events_and_samples_at_them(tmp_path):
+    torch.manual_seed(0)
+    monitor = GPUMemoryMonitor(sample_hz=0.2, warn_headroom_mb=1024)  # the thread samples only at the start
+    trainer = Trainer(
+        accelerator="cpu",
+        max_epochs=2,
+        log_every_n_steps=5,
+        logger=CSVLogger(tmp_path, name="", version=""),
+        callbacks=[NaNSkip(), OOMBackoff(), monitor],
+        **QUIET,
+    )
+    trainer.fit(FaultyRegression(num_samples=64, batch_size=8, oom_above=4, oom_from_batch=3))
+    assert trainer.global_step == 16
+
+    events = [(event.step, event.kind, event.detail) for event in read_events(monitor.events_path)]
+    assert events == [
+        (0, "validation", "sanity check"),
+        (0, "stage", "train start"),
+        (3, "oom_backoff", "rank 0, micro-batch 8 -> 4"),
+        (5, "skipped_steps", "NaN/Inf loss"),
+        (8, "validation", ""),
+        (16, "validation", ""),
+        (16, "stage", "train end"),
+    ]
+    with open(monitor.timeline_path, newline="") as file:
+        rows = list(csv.DictReader(file))
+    steps = [int(row["step"]) for row in rows]
+    # besides the thread's first and last samples: stage boundaries, logging steps and events have theirs
+    assert len(rows) >= 12, steps
+    for event_step in (3, 5):
+        assert {event_step, event_step + 1} & set(steps), (event_step, steps)
+    assert {4, 9, 14} <= set(steps)  # the logging steps (log_every_n_steps=5)
+
+    plot = timeline_plot(monitor.timeline_path, read_events(monitor.events_path), warn_headroom_mb=1024)
+    assert plot.y_limits[0] == 0
+    assert {event.kind for event in plot.events} == {"validation", "stage", "oom_backoff", "skipped_steps"}
+    limit = next(line for line in plot.lines if line.role == "limit")
+    threshold = next(line for line in plot.lines if line.role == "threshold")
+    assert threshold.values == pytest.approx([value - 1024 for value in limit.values])
+    assert monitor.plot_path == monitor.timeline_path.with_suffix(".png") and monitor.plot_path.is_file()

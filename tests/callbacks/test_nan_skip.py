@@ -1,11 +1,12 @@
 """NaNSkip with faults injected for real, against reference runs in which the bad step's batch never happened."""
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 
 from lightning_mgpu import GradientClipping, MultiGPUStrategy, NaNSkip, NonFiniteStepsError
 from tests.helpers.models import BatchNormClassifier, RankStateDump, finished_fits_survive_exit_aborts, load_rank_dumps
@@ -351,3 +352,93 @@ def test_two_optimizers_of_different_sizes(tmp_path):
     trainer = Trainer(accelerator="cpu", devices=1, max_steps=2 * STEPS, callbacks=[skip], **QUIET)
     trainer.fit(TwoOptimizers(per_rank_batch=(8,), steps=STEPS, inject=("loss_nan", 0, BAD_STEP)))
     assert skip.skipped_steps == 2  # both optimizer steps of the bad batch
+
+
+# --- one line on rank 0 when a step is skipped ---------------------------------------------------------------------
+
+
+def skip_lines(caplog) -> list[str]:
+    messages = [record.getMessage() for record in caplog.records]
+    return [
+        m for m in messages if m.startswith("NaNSkip: ") and ("skipped optimizer step" in m or "skipped since" in m)
+    ]
+
+
+class LinesSoFar(Callback):
+    """The number of NaNSkip lines logged before each batch starts: when each line came."""
+
+    def __init__(self, caplog) -> None:
+        self.caplog = caplog
+        self.counts: list[int] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.counts.append(len(skip_lines(self.caplog)))
+
+
+def test_a_skipped_step_gets_one_line_as_soon_as_it_happens(tmp_path, caplog):
+    torch.manual_seed(0)
+    seen = LinesSoFar(caplog)
+    with caplog.at_level(logging.INFO):
+        fit_one(
+            BatchNormClassifier((8,), steps=STEPS, inject=("loss_nan", 0, BAD_STEP)),
+            tmp_path,
+            callbacks=[NaNSkip(), seen],
+        )
+    assert skip_lines(caplog) == ["NaNSkip: skipped optimizer step 2: the loss is NaN or Inf; 1 skipped so far."]
+    assert seen.counts == [0, 0, 0, 1, 1]  # printed during step 2, not at the end of fit
+
+
+def test_a_gradient_skip_names_the_gradients(tmp_path, caplog):
+    torch.manual_seed(0)
+    with caplog.at_level(logging.INFO):
+        fit_one(BatchNormClassifier((8,), steps=STEPS, inject=("grad_inf", 0, 1)), tmp_path, callbacks=[NaNSkip()])
+    assert skip_lines(caplog) == ["NaNSkip: skipped optimizer step 1: NaN or Inf gradients; 1 skipped so far."]
+
+
+@pytest.mark.parametrize(("log_every", "counts", "through"), [(4, [0, 0, 0, 0, 1, 1, 1, 1, 1, 1], 3), (0, [0] * 10, 9)])
+def test_a_fused_optimizer_skip_is_told_at_the_next_logging_step(tmp_path, caplog, log_every, counts, through):
+    torch.manual_seed(0)
+    seen, skip = LinesSoFar(caplog), NaNSkip()
+    model = BatchNormClassifier((8,), steps=10, lr=0.01, optimizer="adam_fused", inject=("grad_inf", 0, BAD_STEP))
+    with caplog.at_level(logging.INFO):
+        fit_one(model, tmp_path, callbacks=[skip, seen], steps=10, log_every_n_steps=log_every)
+    # no host read per step: the count is read at logging steps (3, 7 with log_every_n_steps=4) or at the end
+    assert skip_lines(caplog) == [
+        f"NaNSkip: 1 optimizer step skipped since step 0 (through step {through}; the fused optimizer skips on the "
+        "device, read at logging steps); 1 skipped so far."
+    ]
+    assert seen.counts == counts
+    assert [(event.step, event.detail) for event in skip.events.since(0)] == [(through, f"1 in steps 0-{through}")]
+
+
+def test_a_storm_of_skips_is_rate_limited(tmp_path, caplog):
+    torch.manual_seed(0)
+    skip = NaNSkip(max_consecutive=None)
+    model = BatchNormClassifier((8,), steps=130, inject=("loss_nan", 0, -1))  # every step from step 1 on
+    with caplog.at_level(logging.INFO):
+        fit_one(model, tmp_path, callbacks=[skip], steps=130)
+    lines = skip_lines(caplog)
+    assert skip.skipped_steps == 129
+    assert len(lines) == 11  # the first 10 skips, then one per 100
+    assert lines[0] == "NaNSkip: skipped optimizer step 1: the loss is NaN or Inf; 1 skipped so far."
+    assert lines[9].endswith("10 skipped so far; from now on one line per 100 skipped steps.")
+    assert lines[10] == (
+        "NaNSkip: skipped optimizer step 100: the loss is NaN or Inf; 100 skipped so far (one line per 100 skipped "
+        "steps)."
+    )
+    assert skip.events.recorded == 129  # every skip is recorded for the memory timeline
+
+
+@pytest.mark.distributed
+def test_two_ranks_skip_together_and_rank_zero_prints_one_line(tmp_path):
+    result = run_script(Path(__file__).parents[1] / "helpers" / "nan_fit.py", "--out", tmp_path, "--nan-at", 2)
+    assert result["rc"] == 0 and not result["hung"], result["output"][-3000:]
+    output = result["output"].decode() if isinstance(result["output"], bytes) else result["output"]
+    lines = [line for line in output.splitlines() if line.startswith("NaNSkip: skipped optimizer step")]
+    # rank 1's NaN loss reaches rank 0 through the gradient all-reduce: rank 0 names the gradients
+    assert lines == [
+        "NaNSkip: skipped optimizer step 2: NaN or Inf gradients (after the all-reduce: this rank's gradients, or "
+        "another rank's loss); 1 skipped so far."
+    ]
+    events = [json.loads((tmp_path / f"events{rank}.json").read_text()) for rank in (0, 1)]
+    assert events == [[[2, "skipped_steps", "NaN/Inf gradients"]], [[2, "skipped_steps", "NaN/Inf loss"]]]
