@@ -1,11 +1,14 @@
-"""``python -m lightning_mgpu env`` (what a multi-GPU run depends on) and ``config`` (the shipped configs)."""
+"""``python -m lightning_mgpu env`` (what a multi-GPU run depends on) and ``config`` (the shipped configs).
+
+``config`` imports neither torch nor Lightning (the package skips its strategy registration under ``python -m``, see
+``lightning_mgpu/__init__.py``), so it answers at once; ``env`` imports what its report needs when it runs.
+"""
 
 import argparse
 import sys
 from collections.abc import Sequence
 
 from lightning_mgpu.configs import CONFIG_NAMES, config_path, config_summary
-from lightning_mgpu.utilities.environment_report import ACCELERATORS, environment_report
 
 
 def _devices(text: str) -> int | str:
@@ -24,7 +27,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = commands.add_parser(
         "env", help="report GPUs, backends, launch context and the strategy MultiGPUStrategy would choose"
     )
-    env.add_argument("--accelerator", choices=ACCELERATORS, default="auto", help="the Trainer's accelerator")
+    # checked by environment_report, so that building this parser imports no torch
+    env.add_argument("--accelerator", default="auto", help="the Trainer's accelerator: auto, cpu, cuda or gpu")
     env.add_argument("--devices", type=_devices, default="auto", help="the Trainer's devices: N, -1 or auto")
     env.add_argument("--nodes", type=int, default=1, help="the Trainer's num_nodes")
     config = commands.add_parser("config", help="list the shipped LightningCLI configs, or print one's path")
@@ -40,6 +44,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name in CONFIG_NAMES:
                 print(f"{name:<16} {config_summary(name)}\n{'':<16} {config_path(name)}")
         return 0
+    from lightning_mgpu.utilities.environment_report import environment_report
+
     try:
         print(environment_report(accelerator=args.accelerator, devices=args.devices, num_nodes=args.nodes))
     except ValueError as err:

@@ -27,6 +27,8 @@ EXPECTED_BATCH = {"base": 256, "cpu": 64, "single_gpu": 256, "multi_gpu": 64, "r
 @pytest.fixture(autouse=True)
 def examples_on_path(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO / "examples"))  # the configs name blobs.BlobClassifier
+    # LightningCLI warns ("args parameter is intended to run from within Python") when sys.argv holds pytest's flags
+    monkeypatch.setattr(sys, "argv", ["cli.py"])
 
 
 class ParseOnlyOnCPU(MGPULightningCLI):
@@ -162,6 +164,20 @@ def test_config_command_lists_and_locates_the_configs():
     assert one.stdout.strip() == str(config_path("cpu")) and config_path("cpu").is_file()
     with pytest.raises(ValueError, match="config name must be one of 'base'"):
         config_path("gpu")
+
+
+def test_config_command_imports_neither_torch_nor_lightning():
+    import subprocess
+
+    # python -m lightning_mgpu imports the package before its __main__: that import must not pull torch in
+    for args in (["config", "cpu"], ["config"]):
+        command = [sys.executable, "-X", "importtime", "-m", "lightning_mgpu", *args]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:]
+        imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if "|" in line}
+        assert {"lightning_mgpu", "lightning_mgpu.configs"} <= imported
+        assert not [name for name in imported if name.split(".")[0] in ("torch", "lightning", "lightning_fabric")]
+    assert result.stdout.count(str(config_path("cpu"))) == 1
 
 
 @pytest.mark.distributed

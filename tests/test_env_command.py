@@ -104,11 +104,19 @@ def test_without_a_command_prints_help_and_exits_2():
     assert "usage: python -m lightning_mgpu" in result.stderr and "env" in result.stderr
 
 
-@pytest.mark.parametrize("args", [("env", "--devices", "x"), ("env", "--accelerator", "cpu", "--devices", "-1")])
-def test_bad_arguments_exit_2(args):
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("env", "--devices", "x"), "expected a number of devices, -1 or 'auto', got 'x'"),
+        (("env", "--accelerator", "cpu", "--devices", "-1"), "devices=-1 means every GPU"),
+        # checked by environment_report now, so that building the parser imports no torch
+        (("env", "--accelerator", "tpu"), "accelerator must be one of 'auto', 'cpu', 'cuda', 'gpu', got 'tpu'"),
+    ],
+)
+def test_bad_arguments_exit_2(args, message):
     result = run_cli(*args)
     assert result.returncode == 2
-    assert "error:" in result.stderr
+    assert "error:" in result.stderr and message in result.stderr
 
 
 def test_report_with_fake_gpus():

@@ -1,5 +1,9 @@
 """Strategies, registered with Lightning's ``StrategyRegistry`` on import."""
 
+import difflib
+import functools
+from typing import Any
+
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_mgpu.strategies.auto import MultiGPUStrategy
@@ -27,10 +31,75 @@ REGISTERED_STRATEGIES: dict[str, tuple[dict, str]] = {
 
 
 def register_strategies() -> None:
-    """Register every name of ``REGISTERED_STRATEGIES``; safe to call more than once."""
+    """Register every name of ``REGISTERED_STRATEGIES``; safe to call more than once.
+
+    Also adds :func:`unknown_strategy_message` to the error a ``Trainer`` raises for an unknown strategy name (see
+    :func:`install_strategy_name_hint`).
+    """
     for name, (init_params, description) in REGISTERED_STRATEGIES.items():
         if name not in StrategyRegistry:
             StrategyRegistry.register(name, MultiGPUStrategy, description=description, **init_params)
+    install_strategy_name_hint()
+
+
+def unknown_strategy_message(name: str) -> str | None:
+    """What to tell a user who named a strategy that is not registered; ``None`` when ``name`` is fine.
+
+    Lists the names this package registers and suggests the closest registered name (Lightning's included).
+
+    Args:
+        name: a ``Trainer(strategy=...)`` string; compared in lower case, as the Trainer does.
+
+    Example::
+
+        unknown_strategy_message("mgpu_dpp")  # "... did you mean 'mgpu_dp' or 'mgpu_ddp'?"
+    """
+    lowered = name.lower()
+    if lowered == "auto" or lowered in StrategyRegistry:
+        return None
+    ours = ", ".join(REGISTERED_STRATEGIES)
+    message = f"strategy={name!r} is not a registered strategy name. lightning_mgpu registers: {ours}"
+    close = difflib.get_close_matches(lowered, StrategyRegistry.available_strategies(), n=2)
+    if close:
+        message += f"; did you mean {' or '.join(map(repr, close))}?"
+    else:
+        message += " (and Lightning its own: lightning.pytorch.strategies.StrategyRegistry.available_strategies())."
+    return message
+
+
+def install_strategy_name_hint() -> bool:
+    """Make ``Trainer(strategy="mgpu_dpp")`` say what is registered and which name is closest; idempotent.
+
+    Lightning refuses an unknown name with a fixed list of examples that names none of ours. Its check lives in the
+    private ``_AcceleratorConnector._check_config_and_set_final_flags`` (Lightning 2.4-2.6); this wraps that method
+    so that the same ``ValueError`` gets :func:`unknown_strategy_message` appended, and changes nothing else. Where the
+    method is missing (another Lightning version), Lightning's own message stays as it is.
+
+    Returns:
+        Whether the hint is in place.
+    """
+    from lightning.pytorch.trainer.connectors import accelerator_connector
+
+    connector = getattr(accelerator_connector, "_AcceleratorConnector", None)
+    check = getattr(connector, "_check_config_and_set_final_flags", None)
+    if check is None:
+        return False  # fallback: Lightning's message as it is
+    if getattr(check, "_lightning_mgpu_hint", False):
+        return True
+
+    @functools.wraps(check)
+    def check_with_hint(self: Any, strategy: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return check(self, strategy, *args, **kwargs)
+        except ValueError as err:
+            hint = unknown_strategy_message(strategy) if isinstance(strategy, str) else None
+            if hint is None or "strategy name" not in str(err):
+                raise
+            raise ValueError(f"{err}\n{hint}") from err
+
+    check_with_hint._lightning_mgpu_hint = True  # type: ignore[attr-defined]
+    connector._check_config_and_set_final_flags = check_with_hint  # type: ignore[union-attr]
+    return True
 
 
 __all__ = [
@@ -43,5 +112,7 @@ __all__ = [
     "SingleDeviceStrategy",
     "StrategyChoice",
     "choose_strategy",
+    "install_strategy_name_hint",
     "register_strategies",
+    "unknown_strategy_message",
 ]

@@ -70,6 +70,8 @@ class MultiGPUStrategy(DDPStrategy):
         gradient_as_bucket_view: let gradients be views into the DDP buckets.
         static_graph: promise DDP the set of used parameters never changes.
         find_unused_parameters: let DDP detect parameters without gradients.
+        broadcast_buffers: ``False`` keeps buffers (BatchNorm running statistics...) per rank instead of copying
+            rank 0's; ``None`` leaves torch's default (see :class:`DDPStrategy`).
         comm_hook: ``None``, ``"fp16"``, ``"bf16"``, ``"powersgd"`` (all work over gloo and NCCL) or ``"auto"``
             (time ``comm_hook_candidates`` against no hook, keep one only if faster).
         comm_hook_candidates: the hooks ``comm_hook="auto"`` may choose, from ``"fp16"`` and ``"bf16"``.
@@ -82,11 +84,14 @@ class MultiGPUStrategy(DDPStrategy):
         cluster_environment: set by the Trainer.
         checkpoint_io: set by the Trainer.
         precision_plugin: set by the Trainer.
-        **kwargs: any further keyword argument of ``torch.nn.parallel.DistributedDataParallel``.
+        **kwargs: any further keyword argument of ``torch.nn.parallel.DistributedDataParallel`` or of Lightning's
+            ``DDPStrategy`` (see :class:`DDPStrategy`); under ``dict_kwargs:`` in a LightningCLI YAML config.
 
     Raises:
         ValueError: an unknown ``mode`` or a bad DDP option (at construction); ``mode="dp"`` without CUDA or
             ``mode="single"`` with several devices (when the Trainer is built).
+        TypeError: a DDP option of the wrong type, or a keyword argument that neither ``DistributedDataParallel``
+            nor Lightning's ``DDPStrategy`` takes (the message names the closest valid name).
 
     Example::
 
@@ -106,6 +111,7 @@ class MultiGPUStrategy(DDPStrategy):
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
         find_unused_parameters: bool = False,
+        broadcast_buffers: bool | None = None,
         comm_hook: CommHookSetting = None,
         comm_hook_candidates: list[TunableCommHook] | None = None,
         powersgd_rank: int = 1,
@@ -133,6 +139,7 @@ class MultiGPUStrategy(DDPStrategy):
             gradient_as_bucket_view=gradient_as_bucket_view,
             static_graph=static_graph,
             find_unused_parameters=find_unused_parameters,
+            broadcast_buffers=broadcast_buffers,
             comm_hook=comm_hook,
             comm_hook_candidates=comm_hook_candidates,
             powersgd_rank=powersgd_rank,

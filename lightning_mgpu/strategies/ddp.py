@@ -1,5 +1,8 @@
 """Lightning's DDP with its options as plain values, synchronized BatchNorm on any backend and named comm hooks."""
 
+import difflib
+import functools
+import inspect
 import math
 import time
 from datetime import timedelta
@@ -89,6 +92,10 @@ class DDPStrategy(LightningDDPStrategy):
         gradient_as_bucket_view: let gradients be views into the DDP buckets (saves one copy and memory).
         static_graph: promise DDP the set of used parameters never changes between steps.
         find_unused_parameters: let DDP detect parameters that got no gradient in a step (costs a graph walk).
+        broadcast_buffers: ``False`` stops DDP copying rank 0's buffers (BatchNorm running statistics...) to every
+            rank, at the start and before each forward: for buffers kept per rank on purpose. ``None`` leaves torch's
+            default (copied). torch 2.13 deprecates it for ``forward_sync_buffers`` (a keyword argument here), which
+            still copies them once at the start.
         comm_hook: ``None``, ``"fp16"``, ``"bf16"``, ``"powersgd"`` or ``"auto"`` (time ``comm_hook_candidates``).
         comm_hook_candidates: the hooks ``comm_hook="auto"`` may choose, from ``"fp16"`` and ``"bf16"``; ``None``
             allows both. Only with ``comm_hook="auto"``.
@@ -98,12 +105,15 @@ class DDPStrategy(LightningDDPStrategy):
             or ``"forkserver"``.
         timeout: process group timeout.
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; ``None`` picks by device.
-        **kwargs: any further keyword argument of ``torch.nn.parallel.DistributedDataParallel``.
+        **kwargs: any further keyword argument of ``torch.nn.parallel.DistributedDataParallel``, or of Lightning's
+            ``DDPStrategy`` (``ddp_comm_state``, ``ddp_comm_hook``, ``ddp_comm_wrapper``, ``model_averaging_period``).
+            From a LightningCLI YAML config they go under ``dict_kwargs:`` next to ``init_args:``.
 
     Raises:
         ValueError: an option outside its allowed values, or ``comm_hook_candidates`` without
             ``comm_hook="auto"``.
-        TypeError: an option of the wrong type.
+        TypeError: an option of the wrong type, or a keyword argument that neither ``DistributedDataParallel`` nor
+            Lightning's ``DDPStrategy`` takes (the message names the closest valid name).
 
     Example::
 
@@ -126,6 +136,7 @@ class DDPStrategy(LightningDDPStrategy):
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
         find_unused_parameters: bool = False,
+        broadcast_buffers: bool | None = None,
         comm_hook: CommHookSetting = None,
         comm_hook_candidates: list[TunableCommHook] | None = None,
         powersgd_rank: int = 1,
@@ -136,6 +147,7 @@ class DDPStrategy(LightningDDPStrategy):
         **kwargs: Any,
     ) -> None:
         owner = type(self).__name__
+        _check_ddp_kwargs(self, kwargs)
         _check_sync_batchnorm(owner, sync_batchnorm)
         _check_bucket_cap_mb(owner, bucket_cap_mb)
         _check_int(owner, "bucket_tuning_steps", bucket_tuning_steps, minimum=MIN_BUCKET_TUNING_STEPS)
@@ -146,6 +158,8 @@ class DDPStrategy(LightningDDPStrategy):
         ):
             if not isinstance(value, bool):
                 raise TypeError(f"{owner}: {name} must be True or False, got {value!r}")
+        if broadcast_buffers is not None and not isinstance(broadcast_buffers, bool):
+            raise TypeError(f"{owner}: broadcast_buffers must be True, False or None, got {broadcast_buffers!r}")
         if comm_hook is not None and comm_hook not in (*COMM_HOOK_NAMES, "auto"):
             raise ValueError(
                 f"{owner}: comm_hook must be None, 'auto' or one of {', '.join(map(repr, COMM_HOOK_NAMES))}, "
@@ -164,6 +178,8 @@ class DDPStrategy(LightningDDPStrategy):
             static_graph=static_graph,
             find_unused_parameters=find_unused_parameters,
         )
+        if broadcast_buffers is not None:  # torch 2.13 deprecates it (FutureWarning): pass it only when asked for
+            ddp_kwargs["broadcast_buffers"] = broadcast_buffers
         if bucket_cap_mb not in (None, "auto"):
             ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
         super().__init__(
@@ -439,6 +455,47 @@ class DDPStrategy(LightningDDPStrategy):
             self._active_comm_hook,  # type: ignore[arg-type]
             powersgd_rank=self.powersgd_rank,
             powersgd_warmup_steps=self.powersgd_warmup_steps,
+        )
+
+
+# passed by Lightning's DDPStrategy itself when it wraps the model
+_SET_BY_THE_STRATEGY = ("module", "device_ids")
+
+
+@functools.cache
+def ddp_keyword_arguments() -> frozenset[str]:
+    """The names :class:`DDPStrategy`'s ``**kwargs`` may hold.
+
+    The keyword arguments of ``DistributedDataParallel`` (but ``module`` and ``device_ids``, which Lightning passes)
+    and of Lightning's ``DDPStrategy`` that this class does not name itself (``ddp_comm_state``, ``ddp_comm_hook``,
+    ``ddp_comm_wrapper``, ``model_averaging_period``), read from the installed torch's and Lightning's signatures.
+    """
+
+    def names(function: Any) -> set[str]:
+        named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        return {p.name for p in inspect.signature(function).parameters.values() if p.kind in named} - {"self"}
+
+    own = names(DDPStrategy.__init__)
+    ddp_only = names(DistributedDataParallel.__init__) - own - set(_SET_BY_THE_STRATEGY)
+    return frozenset(ddp_only | (names(LightningDDPStrategy.__init__) - own))
+
+
+def _check_ddp_kwargs(strategy: LightningDDPStrategy, kwargs: dict[str, Any]) -> None:
+    owner = type(strategy).__name__
+    accepted = ddp_keyword_arguments()
+    for name in kwargs:
+        if name in accepted:
+            continue
+        if name in _SET_BY_THE_STRATEGY:
+            raise TypeError(f"{owner}: {name} is set by the strategy from the Trainer's devices; leave it out")
+        own = inspect.signature(type(strategy).__init__).parameters
+        candidates = accepted | {n for n, p in own.items() if n != "self" and p.kind is not p.VAR_KEYWORD}
+        close = difflib.get_close_matches(name, sorted(candidates), n=1)
+        raise TypeError(
+            f"{owner}: unexpected keyword argument {name!r}"
+            + (f" (did you mean {close[0]!r}?)" if close else "")
+            + "; further keyword arguments go to torch.nn.parallel.DistributedDataParallel or Lightning's DDPStrategy:"
+            f" {', '.join(sorted(accepted))}"
         )
 
 

@@ -34,7 +34,7 @@ def count_processes(devices: Any, num_nodes: Any = 1, accelerator: str = "auto")
         count_processes(devices=4, num_nodes=2)  # 8
     """
     name = _accelerator_name(accelerator)
-    per_node = _devices_per_node(devices, name)
+    per_node = _devices_per_node(devices, name, accelerator)
     if not _is_positive_int(num_nodes):
         raise ValueError(f"num_nodes must be an int >= 1, got {num_nodes!r}")
     return per_node * int(num_nodes)
@@ -73,17 +73,22 @@ def per_device_batch_size(
     if remainder or share == 0:
         raise ValueError(
             f"global_batch_size={global_batch_size} does not split evenly over {processes} processes"
-            f" (devices={devices!r} x num_nodes={num_nodes}) x accumulate_grad_batches={accumulate}: choose a"
-            f" multiple of {processes * accumulate}"
+            f" (devices={_shown(devices)!r} x num_nodes={_shown(num_nodes)!r}) x accumulate_grad_batches={accumulate}:"
+            f" choose a multiple of {processes * accumulate}"
         )
     return share
+
+
+def _shown(value: Any) -> Any:
+    # values interpolated from the command line arrive as strings: show a count as the int the Trainer takes
+    return int(value) if isinstance(value, str) and value.strip().isdigit() else value
 
 
 def _is_positive_int(value: Any) -> bool:
     return not isinstance(value, bool) and str(value).strip().isdigit() and int(value) >= 1
 
 
-def _devices_per_node(devices: Any, accelerator: str) -> int:
+def _devices_per_node(devices: Any, accelerator: str, given_accelerator: Any) -> int:
     text = devices.strip() if isinstance(devices, str) else devices
     if isinstance(text, (list, tuple)) and text and all(isinstance(i, int) and not isinstance(i, bool) for i in text):
         return len(text)
@@ -95,17 +100,26 @@ def _devices_per_node(devices: Any, accelerator: str) -> int:
         text = int(text)
     if isinstance(text, int) and not isinstance(text, bool) and text >= 1:
         return text
+    name_the_count = "name the number of devices per node instead (--trainer.devices=N, or devices: N in a config)"
     if text in ("auto", -1, "-1"):
         if accelerator == "cuda":
             found = num_cuda_devices()
             if found == 0:
-                raise ValueError(f"devices={devices!r} with accelerator='cuda': torch sees no CUDA GPU on this machine")
+                raise ValueError(
+                    f"devices={devices!r} with accelerator='cuda': torch sees no CUDA GPU on this machine to count;"
+                    f" {name_the_count}"
+                )
             return found
         if text == "auto":
             return 1  # Lightning's CPU and MPS accelerators use one device by default
+        if str(given_accelerator or "auto") == "auto":
+            raise ValueError(
+                f"devices={devices!r} counts every CUDA GPU, but accelerator='auto' found none here and chose"
+                f" {accelerator!r}; {name_the_count}"
+            )
     raise ValueError(
-        f"devices={devices!r} cannot be used with accelerator={accelerator!r}: give a count >= 1, indices such as"
-        " '0,1' or [0, 1], or 'auto' (-1 too on CUDA)"
+        f"devices={_shown(devices)!r} cannot be used with accelerator={accelerator!r}: give a count >= 1"
+        " (--trainer.devices=N), indices such as '0,1' or [0, 1], or 'auto' (-1 too on CUDA)"
     )
 
 

@@ -213,6 +213,54 @@ def test_bad_input_is_named_at_construction(kwargs, error, pattern):
         MultiGPUStrategy(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        (
+            {"brodcast_buffers": False},
+            r"unexpected keyword argument 'brodcast_buffers' \(did you mean 'broadcast_buffers'",
+        ),
+        ({"static_grpah": True}, r"unexpected keyword argument 'static_grpah' \(did you mean 'static_graph'"),
+        ({"ddp_comm_hok": None}, r"unexpected keyword argument 'ddp_comm_hok' \(did you mean 'ddp_comm_hook'"),
+        ({"device_ids": [0]}, r"device_ids is set by the strategy from the Trainer's devices"),
+        ({"broadcast_buffers": "no"}, r"broadcast_buffers must be True, False or None, got 'no'"),
+    ],
+)
+def test_a_misspelt_ddp_keyword_argument_is_refused_at_construction(kwargs, pattern):
+    with pytest.raises(TypeError, match=f"^MultiGPUStrategy: {pattern}"):
+        MultiGPUStrategy(**kwargs)
+    with pytest.raises(TypeError, match=f"^DDPStrategy: {pattern}"):
+        DDPStrategy(**kwargs)
+
+
+def test_ddp_and_lightning_keyword_arguments_are_accepted_and_passed_on():
+    strategy = MultiGPUStrategy(init_sync=True, output_device=None, model_averaging_period=None, start_method="spawn")
+    assert strategy._ddp_kwargs["init_sync"] is True and strategy._ddp_kwargs["output_device"] is None
+    assert "model_averaging_period" not in strategy._ddp_kwargs  # Lightning's DDPStrategy keeps that one itself
+    assert "broadcast_buffers" not in strategy._ddp_kwargs  # torch's default unless asked for (2.13 deprecates it)
+    assert MultiGPUStrategy(broadcast_buffers=False)._ddp_kwargs["broadcast_buffers"] is False
+
+
+def test_a_misspelt_strategy_name_gets_the_registered_names_and_the_closest():
+    with pytest.raises(ValueError, match="You selected an invalid strategy name") as raised:
+        make_trainer(strategy="mgpu_dpp", accelerator="cpu", devices=2)
+    message = str(raised.value)
+    assert "lightning_mgpu registers: mgpu, mgpu_ddp, mgpu_ddp_spawn, mgpu_ddp_fork, mgpu_dp" in message
+    assert "did you mean 'mgpu_dp' or 'mgpu_ddp'?" in message
+    with pytest.raises(ValueError, match=r"did you mean 'ddp_spawn' or 'mgpu_ddp_spawn'\?"):
+        make_trainer(strategy="ddp_spwan")  # Lightning's own names are suggested too
+
+
+def test_import_registers_the_names_in_a_fresh_process():
+    import subprocess
+
+    registered = (
+        "import lightning_mgpu; from lightning.pytorch.strategies import StrategyRegistry as R; print('mgpu' in R)"
+    )
+    result = subprocess.run([sys.executable, "-c", registered], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "True", result.stderr[-2000:]
+
+
 def test_ddp_strategy_names_itself_in_errors():
     with pytest.raises(ValueError, match=r"^DDPStrategy: start_method must be"):
         DDPStrategy(start_method="thread")

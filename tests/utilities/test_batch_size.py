@@ -37,6 +37,28 @@ def test_every_gpu_and_auto_count_the_gpus_torch_sees(gpus):
         count_processes(-1, 1, "cuda")
 
 
+@pytest.mark.parametrize(
+    ("devices", "accelerator", "message"),
+    [
+        (-1, "cuda", r"devices=-1 with accelerator='cuda': torch sees no CUDA GPU on this machine to count; name"),
+        ("auto", "cuda", r"devices='auto' with accelerator='cuda': torch sees no CUDA GPU"),
+        (-1, "auto", r"devices=-1 counts every CUDA GPU, but accelerator='auto' found none here and chose 'cpu'; name"),
+        (-1, "cpu", r"devices=-1 cannot be used with accelerator='cpu': give a count >= 1 \(--trainer.devices=N\)"),
+    ],
+)
+def test_counting_gpus_where_there_are_none_says_to_name_the_count(gpus, devices, accelerator, message):
+    gpus(0)
+    with pytest.raises(ValueError, match=message) as raised:
+        count_processes(devices, 1, accelerator)
+    assert "--trainer.devices=N" in str(raised.value)
+
+
+def test_a_count_given_as_a_string_is_shown_as_a_number():
+    with pytest.raises(ValueError) as raised:
+        per_device_batch_size(100, "3", "1", 1, "cpu")  # what interpolation passes from --trainer.devices=3
+    assert "(devices=3 x num_nodes=1)" in str(raised.value)
+
+
 @pytest.mark.parametrize("devices", [-1, 0, True, "two", [], [True], 1.5])
 def test_a_device_value_the_trainer_would_not_count_is_refused(devices):
     with pytest.raises(ValueError, match=r"cannot be used with accelerator='cpu': give a count >= 1"):
