@@ -49,6 +49,8 @@ TUNABLE_COMM_HOOKS: tuple[str, ...] = ("fp16", "bf16")
 BUCKET_TUNING_CHECKPOINT_KEY = "lightning_mgpu_bucket_tuning"
 # the smallest budget that times two settings with MIN_TIMED_STEPS each
 MIN_BUCKET_TUNING_STEPS = WARMUP_STEPS + 2 * (SETTLE_STEPS + MIN_TIMED_STEPS)
+# how DistributedDataParallel's error for parameters that got no gradient begins (the text Lightning matches too)
+_UNUSED_PARAMETERS_ERROR = "Expected to have finished reduction in the prior iteration"
 
 
 class DDPStrategy(LightningDDPStrategy):
@@ -265,6 +267,22 @@ class DDPStrategy(LightningDDPStrategy):
         super().on_train_end()
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        # Lightning's DDPStrategy rewrites DDP's unused-parameter error to suggest one of its own strategy names,
+        # which would replace this strategy; point at this class's option instead and keep DDP's own text
+        super(LightningDDPStrategy, self).on_exception(exception)
+        owner = type(self).__name__
+        hint = (
+            "It looks like your LightningModule has parameters that were not used in producing the loss returned by "
+            f"training_step. If this is intentional, enable DDP's detection of unused parameters with "
+            f"`{owner}(find_unused_parameters=True)`, or in a YAML config `init_args: {{find_unused_parameters: "
+            f"true}}` under `class_path: lightning_mgpu.{owner}`. DistributedDataParallel's error: "
+        )
+        exception.args = tuple(
+            hint + arg if isinstance(arg, str) and _UNUSED_PARAMETERS_ERROR in arg else arg for arg in exception.args
+        )
+
+    @override
     def teardown(self) -> None:
         if self._sigterm_agreement is not None:
             self._sigterm_agreement.uninstall()
@@ -276,6 +294,8 @@ class DDPStrategy(LightningDDPStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
+        if self._sigterm_agreement is not None:
+            self._sigterm_agreement.at_train_batch_start()
         if not self.tunes_buckets or (self.bucket_tuning is not None and self._tuner is None):
             return
         trainer = self.lightning_module.trainer
@@ -294,8 +314,9 @@ class DDPStrategy(LightningDDPStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+    def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        # forwards whatever this Lightning's signature takes: `weights_only` arrived in 2.6
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         state = checkpoint.get(BUCKET_TUNING_CHECKPOINT_KEY)
         self._restored_tuning = BucketTuningResult.restored(state) if isinstance(state, dict) else None
         return checkpoint

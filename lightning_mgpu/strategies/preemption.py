@@ -6,10 +6,15 @@ unmatched broadcast from inside the signal handler. :class:`SigtermAgreement` re
 instance: the signal handler only records the signal, and at each batch boundary a signalled rank publishes a stop
 batch in the process group's key-value store (first writer wins). Every rank checks the store, a host-side TCP
 round trip with no collective and no device synchronisation, and stops exactly at the published batch.
+
+A fit's end is a meeting point in the same store, not a collective: a rank that finished its batches while another
+still trains (different numbers of batches per rank) gets :class:`EndOfFitTimeoutError` within seconds instead of
+waiting in a barrier for the process group's timeout.
 """
 
-import contextlib
 import logging
+import time
+from datetime import timedelta
 from types import FrameType
 from typing import Any
 
@@ -19,14 +24,25 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
+from packaging.version import Version
 
 log = logging.getLogger(__name__)
 
-# Lightning releases whose training loop and signal connector internals this replaces, as tested
-TESTED_LIGHTNING_MINOR = ("2.6",)
+# Lightning releases whose training loop and signal connector internals this replaces, as tested: the two names it
+# patches (probed below) are unchanged from 2.5.2 through 2.6.x; CI runs the tests on the newest 2.5 and 2.6 patches
+TESTED_LIGHTNING_RANGE = ("2.5.2", "2.7")  # lowest tested release, first untested minor
 _KEY = "stop_batch"
 # the store is read every this many batches: a lookup costs 0.3-0.6 ms per step on 2 busy CPU processes
 CHECK_INTERVAL = 4
+# seconds a rank that reached the end of its fit waits for a rank that has not even started its final training batch
+# (such a rank is stuck in a gradient all-reduce for a batch the others do not have); a rank that has started it
+# (one finishing a last validation or slow end-of-epoch hooks) is waited for up to the process group's timeout
+END_OF_FIT_TIMEOUT = 30.0
+_POLL_SECONDS = 0.05
+
+
+class EndOfFitTimeoutError(RuntimeError):
+    """A rank did not reach the end of the fit while the others had: the ranks ran different numbers of batches."""
 
 
 class SigtermAgreement:
@@ -36,7 +52,15 @@ class SigtermAgreement:
     as stop batch the first of those at or after ``current batch + accumulate_grad_batches``. A rank reaching any
     boundary at or past ``publish + accumulate_grad_batches`` has synchronised gradients with the publisher after it
     published, so it sees the key at that read at the latest; all ranks then raise Lightning's ``SIGTERMException``
-    at the same batch boundary, after one barrier.
+    at the same batch boundary. A SIGTERM during the batch that started as batch ``b`` therefore stops every rank
+    after ``M`` to ``M + I - 1`` further batches (``M = accumulate_grad_batches``, ``I = interval``), ``M + I`` to
+    ``M + 2I - 1`` on CUDA, or at the end of the fit if that comes first.
+
+    Every rank leaves the fit through one meeting in the store (:meth:`at_train_end`, or the agreed stop batch),
+    never a collective: each rank records its batch count and waits for the others. A rank that has not arrived and
+    has not started what may be its final training batch (published by :meth:`at_train_batch_start`) after
+    :data:`END_OF_FIT_TIMEOUT` seconds is stuck in a batch the others do not have, and the ranks that arrived raise
+    :class:`EndOfFitTimeoutError` naming it. Rank 0 serves the store, so it leaves last.
 
     Args:
         store: a ``torch.distributed`` store shared by all ranks (a fresh prefix per fit).
@@ -45,6 +69,9 @@ class SigtermAgreement:
         interval: read the store every this many batches.
         cuda: the model trains on CUDA: reads wait for the previous read's event and the stop moves one
             interval later.
+        rank: this process's global rank.
+        world_size: the number of processes that meet at the end of the fit.
+        timeout: the longest wait for a rank that is still finishing its final batch: the process group's timeout.
 
     Example::
 
@@ -55,10 +82,22 @@ class SigtermAgreement:
 
     _fits = 0  # per-process count of installed agreements: identical on all ranks, so it names a fresh prefix
 
-    def __init__(self, store: dist.Store, margin: int = 1, interval: int = CHECK_INTERVAL, cuda: bool = False) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        margin: int = 1,
+        interval: int = CHECK_INTERVAL,
+        cuda: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+        timeout: timedelta = timedelta(minutes=30),
+    ) -> None:
         self.store = store
         self.margin = margin
         self.interval = interval
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
         # on CUDA the host runs ahead of the device and DDP's all-reduce does not block it: before each read, wait
         # for the event recorded at the previous read (long done), which restores what blocking gives on gloo
         self.cuda = cuda
@@ -77,8 +116,14 @@ class SigtermAgreement:
             log.debug(f"lightning_mgpu: keeping Lightning's per-step SIGTERM broadcast: {reason}")
             return None
         cls._fits += 1
-        store = dist.PrefixStore(f"lightning_mgpu/sigterm/{cls._fits}/", dist.distributed_c10d._get_default_store())
-        return cls(store, cuda=trainer.strategy.root_device.type == "cuda")
+        default_store = dist.distributed_c10d._get_default_store()
+        return cls(
+            dist.PrefixStore(f"lightning_mgpu/sigterm/{cls._fits}/", default_store),
+            cuda=trainer.strategy.root_device.type == "cuda",
+            rank=trainer.global_rank,
+            world_size=trainer.world_size,
+            timeout=getattr(default_store, "timeout", timedelta(minutes=30)),  # the process group's
+        )
 
     def install(self, trainer: "pl.Trainer") -> None:
         """Take over the per-batch check and the SIGTERM notifier of this trainer instance only."""
@@ -116,7 +161,20 @@ class SigtermAgreement:
         if self.stop_batch is None and self.batch % self.interval == 0 and self._read():
             self.stop_batch = int(self.store.get(_KEY))
         if self.stop_batch is not None and self.batch >= self.stop_batch:
-            self._stop()
+            self._leave(at_train_end=False)
+
+    def at_train_batch_start(self) -> None:
+        """Called by the strategy once a batch has started: publish its number when it may be this rank's last.
+
+        One store write per epoch (a few more in the last optimizer step under ``max_steps``); the meeting at the
+        end tells a rank finishing its last batch from one stuck in a batch the others do not have by it.
+        """
+        if self._trainer is not None and self.world_size > 1 and _may_end_the_fit(self._trainer):
+            self.publish_possibly_last_batch()
+
+    def publish_possibly_last_batch(self) -> None:
+        """Record in the store that the batch this rank has just started may be its last of the fit."""
+        self.store.set(f"final/{self.rank}", str(self.batch))
 
     def _publish(self) -> None:
         earliest = self.batch + self.margin + (self.interval if self.cuda else 0)
@@ -134,33 +192,124 @@ class SigtermAgreement:
         return self.store.check([_KEY])
 
     def at_train_end(self) -> None:
-        """A signal too close to the end to reach a stop batch: all ranks meet once and leave together."""
+        """Meet every rank at the end of the fit; a signal too close to the end for a stop batch stops them all here.
+
+        Raises:
+            SIGTERMException: a rank was signalled.
+            EndOfFitTimeoutError: a rank did not arrive and had not started its final batch (see the class).
+        """
+        self._leave(at_train_end=True)
+
+    def _leave(self, at_train_end: bool) -> None:
+        self._publish_late_signal()
+        self.store.set(f"end/{self.rank}", str(self.batch))
+        self.store.add("arrived", 1)
+        self._wait_for_arrivals(at_train_end)
+        stop = self.store.check([_KEY])  # every rank published what it had before it arrived
+        self.store.add("left", 1)
+        if self.rank == 0:
+            # rank 0 serves the store: the others' last request must be answered before its process may exit
+            self._wait_for("left", time.monotonic() + END_OF_FIT_TIMEOUT)
+        if stop:
+            trainer = self._trainer
+            if trainer is not None:
+                trainer._signal_connector.received_sigterm = True
+                log.info(rank_prefixed_message(f"Stopping at batch {self.batch} after a SIGTERM", trainer.local_rank))
+            raise SIGTERMException()
+
+    def _publish_late_signal(self) -> None:
         if self.signalled and not self.published:
             self.store.compare_set(_KEY, "", str(self.batch))
-        if dist.is_initialized():
-            dist.barrier()  # every rank has published what it had before anyone reads
-        if self.store.check([_KEY]):
-            self._stop()
+            self.published = True
 
-    def _stop(self) -> None:
-        trainer = self._trainer
-        if trainer is not None:
-            trainer._signal_connector.received_sigterm = True
-            log.info(rank_prefixed_message(f"Stopping at batch {self.batch} after a SIGTERM", trainer.local_rank))
-        with contextlib.suppress(Exception):
-            dist.barrier()  # every rank is at this same boundary: leave together
-        raise SIGTERMException()
+    def _wait_for_arrivals(self, at_train_end: bool) -> None:
+        start = time.monotonic()
+        # at a stop batch every rank has finished the batch before it with this one: a missing rank is finishing
+        # hooks or a validation; at the end of the data it may instead be stuck in a batch this rank does not have
+        short_deadline = start + END_OF_FIT_TIMEOUT if at_train_end else None
+        long_deadline = start + self.timeout.total_seconds()
+        while int(self.store.add("arrived", 0)) < self.world_size:
+            self._publish_late_signal()  # a SIGTERM while waiting still stops every rank
+            now = time.monotonic()
+            if short_deadline is not None and now > short_deadline:
+                missing = self._missing_ranks()
+                stuck = {r: f for r, f in missing.items() if f != self.batch}
+                if stuck:
+                    raise EndOfFitTimeoutError(self._uneven_message(missing, now - start))
+                short_deadline = None  # every missing rank is finishing its final batch: wait for it
+            if now > long_deadline:
+                names = ", ".join(map(str, self._missing_ranks()))
+                raise EndOfFitTimeoutError(
+                    f"lightning_mgpu: rank(s) {names} started their final training batch but did not reach the end "
+                    f"of the fit within the process group's timeout ({self.timeout}) of rank {self.rank}"
+                )
+            time.sleep(_POLL_SECONDS)
+
+    def _wait_for(self, counter: str, deadline: float) -> None:
+        while int(self.store.add(counter, 0)) < self.world_size and time.monotonic() < deadline:
+            time.sleep(_POLL_SECONDS)
+
+    def _missing_ranks(self) -> dict[int, int | None]:
+        """Ranks that have not arrived, each with the number of its last possibly-final batch (None: none yet)."""
+        missing: dict[int, int | None] = {}
+        for rank in range(self.world_size):
+            if not self.store.check([f"end/{rank}"]):
+                final = f"final/{rank}"
+                missing[rank] = int(self.store.get(final)) if self.store.check([final]) else None
+        return missing
+
+    def _uneven_message(self, missing: dict[int, int | None], waited: float) -> str:
+        arrived = {rank: int(self.store.get(f"end/{rank}")) for rank in range(self.world_size) if rank not in missing}
+        names = ", ".join(map(str, missing))
+        counts = "; ".join(f"rank {rank} ended after {count} training batches" for rank, count in arrived.items())
+        known = [
+            f"rank {rank} started batch {final} as possibly its last"
+            for rank, final in missing.items()
+            if final is not None
+        ]
+        return (
+            f"lightning_mgpu: rank(s) {names} did not reach the end of the fit within {waited:.0f} s of rank "
+            f"{self.rank}: {counts}"
+            + (f"; {'; '.join(known)}" if known else f"; rank(s) {names} had not started a final batch")
+            + ". The ranks ran different numbers of training batches, so the rank with more is waiting in a gradient "
+            "all-reduce that the others will never join. This happens with an IterableDataset that yields a "
+            "different number of batches on each rank, or a sampler that does not split the data evenly. Use a "
+            "DistributedSampler (Lightning adds one for map-style datasets), or make every rank's loader yield the "
+            "same number of batches (drop the extra ones). This wait is "
+            "lightning_mgpu.strategies.preemption.END_OF_FIT_TIMEOUT seconds."
+        )
+
+
+def _may_end_the_fit(trainer: "pl.Trainer") -> bool:
+    """Whether the batch that has just started may be the fit's last: its epoch's last, or the step ``max_steps``.
+
+    Reads the training epoch loop's ``batch_progress`` (probed in :func:`_unsupported_reason`). A fit stopped
+    mid-epoch otherwise (``trainer.should_stop`` from a Timer) publishes nothing, and its ranks meet at the end
+    under the short :data:`END_OF_FIT_TIMEOUT`.
+    """
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    if progress.is_last_batch or progress.current.ready >= trainer.num_training_batches:
+        return True
+    return 0 <= trainer.max_steps <= trainer.global_step + 1
+
+
+def _lightning_is_tested(version: str) -> bool:
+    lowest, first_untested = TESTED_LIGHTNING_RANGE
+    return Version(lowest) <= Version(Version(version).base_version) < Version(first_untested)
 
 
 def _unsupported_reason(trainer: "pl.Trainer") -> str | None:
-    minor = ".".join(lightning.__version__.split(".")[:2])
-    if minor not in TESTED_LIGHTNING_MINOR:
-        return f"Lightning {lightning.__version__} is not among the tested {TESTED_LIGHTNING_MINOR}"
+    if not _lightning_is_tested(lightning.__version__):
+        lowest, first_untested = TESTED_LIGHTNING_RANGE
+        return f"Lightning {lightning.__version__} is outside the tested range >={lowest},<{first_untested}"
     if not (dist.is_available() and dist.is_initialized()) or trainer.world_size <= 1:
         return "no process group of more than one process"
     epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
     if not hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
         return "this Lightning's training loop has no per-step SIGTERM broadcast"
+    progress = getattr(epoch_loop, "batch_progress", None)
+    if not (hasattr(progress, "is_last_batch") and hasattr(getattr(progress, "current", None), "ready")):
+        return "this Lightning's training loop keeps its batch progress differently"
     if not hasattr(getattr(trainer, "_signal_connector", None), "_sigterm_notifier_fn"):
         return "this Lightning's signal connector differs"
     if not hasattr(dist.distributed_c10d, "_get_default_store"):

@@ -1,9 +1,12 @@
 """A 2-process CPU fit run as a script (Lightning re-runs it for rank 1), used by the preemption tests.
 
 It can send SIGTERM to one rank at a chosen batch, count the Python-level ``torch.distributed`` calls made during a
-window of training batches, and writes per rank what happened to ``<out>/rank<r>.json``.
+window of training batches, give each rank its own number of batches (an ``IterableDataset``), make one rank slow
+in its last validation, or train a model with a parameter that gets no gradient; it writes per rank what happened
+(the exception's type and message as raised included) to ``<out>/rank<r>.json``.
 
     python tests/helpers/sigterm_fit.py --strategy mgpu --out /tmp/x --sigterm-rank 1 --sigterm-batch 5
+    python tests/helpers/sigterm_fit.py --strategy mgpu --out /tmp/x --steps -1 --batches-per-rank 10 12
 """
 
 import argparse
@@ -21,11 +24,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy as StockDDPStrategy
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_mgpu import MultiGPUStrategy
+from lightning_mgpu.strategies import preemption
 from tests.helpers.collectives import count_collectives
 
 
@@ -57,17 +61,18 @@ class Probe(pl.Callback):
         self.completed += 1
 
     def on_exception(self, trainer, pl_module, exception):
-        self._write(trainer, type(exception).__name__)
+        self._write(trainer, type(exception).__name__, str(exception))
 
     def on_train_end(self, trainer, pl_module):
         self._write(trainer, None)
 
-    def _write(self, trainer, exception):
+    def _write(self, trainer, exception, message=None):
         steps = self.window[1] - self.window[0]
         record = {
             "rank": trainer.global_rank,
             "completed": self.completed,
             "exception": exception,
+            "message": message,
             "collective_calls": self.calls,
             "collectives_per_step": sum(self.calls.values()) / steps,
             "signal_time": self.signal_time,
@@ -89,6 +94,43 @@ class MLP(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
+class MLPWithValidation(MLP):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.net(x), y))
+
+
+class MLPWithUnusedParameter(MLP):
+    def __init__(self):
+        super().__init__()
+        self.unused = nn.Linear(32, 4)  # never in the loss: DDP without find_unused_parameters fails on step 2
+
+
+class PerRankBatches(IterableDataset):
+    """Yields ``counts[rank]`` batches of 16 on each rank (an uneven split when the counts differ)."""
+
+    def __init__(self, counts: list[int]):
+        self.counts = counts
+
+    def __iter__(self):
+        count = self.counts[torch.distributed.get_rank()]
+        g = torch.Generator().manual_seed(1)
+        for _ in range(count):
+            yield torch.randn(16, 32, generator=g), torch.randint(0, 4, (16,), generator=g)
+
+
+class SlowLastValidation(pl.Callback):
+    """Makes one rank finish the fit's last validation ``seconds`` later than the others."""
+
+    def __init__(self, rank: int, seconds: float):
+        self.rank = rank
+        self.seconds = seconds
+
+    def on_validation_end(self, trainer, pl_module):
+        if trainer.global_rank == self.rank and trainer.current_epoch == trainer.max_epochs - 1:
+            time.sleep(self.seconds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", choices=["mgpu", "stock"], required=True)
@@ -99,8 +141,16 @@ def main() -> None:
     parser.add_argument("--window", type=int, nargs=2, default=(10, 30))
     parser.add_argument("--step-delay", type=float, default=0.0, help="seconds of sleep per step (slow steps)")
     parser.add_argument("--pg-timeout", type=float, default=30.0)
+    parser.add_argument("--epochs", type=int, default=None)
+    parser.add_argument("--batches-per-rank", type=int, nargs=2, help="an IterableDataset with this many per rank")
+    parser.add_argument("--end-timeout", type=float, help="sets preemption.END_OF_FIT_TIMEOUT (seconds)")
+    parser.add_argument("--slow-validation", type=float, nargs=2, metavar=("RANK", "SECONDS"))
+    parser.add_argument("--unused-parameter", action="store_true")
     args = parser.parse_args()
+    torch.manual_seed(0)
     torch.set_num_threads(1)
+    if args.end_timeout is not None:
+        preemption.END_OF_FIT_TIMEOUT = args.end_timeout
     args.out.mkdir(parents=True, exist_ok=True)
 
     timeout = timedelta(seconds=args.pg_timeout)
@@ -115,18 +165,38 @@ def main() -> None:
 
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(4096, 32, generator=g), torch.randint(0, 4, (4096,), generator=g))
+    callbacks = [Probe(args.out, args.sigterm_rank, args.sigterm_batch, tuple(args.window)), Slow()]
+    if args.batches_per_rank:
+        # batch_size=None: the dataset yields whole batches
+        train = DataLoader(PerRankBatches(args.batches_per_rank), batch_size=None)
+    else:
+        train = DataLoader(data, batch_size=16)
+    model, val = MLP(), None
+    if args.slow_validation:
+        model, val = MLPWithValidation(), DataLoader(TensorDataset(*data[:64]), batch_size=16)
+        callbacks.append(SlowLastValidation(int(args.slow_validation[0]), args.slow_validation[1]))
+    if args.unused_parameter:
+        model = MLPWithUnusedParameter()
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
         strategy=strategy,
         max_steps=args.steps,
+        max_epochs=args.epochs,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[Probe(args.out, args.sigterm_rank, args.sigterm_batch, tuple(args.window)), Slow()],
+        callbacks=callbacks,
     )
-    trainer.fit(MLP(), DataLoader(data, batch_size=16))
+    try:
+        trainer.fit(model, train, val)
+    except BaseException as err:
+        # the message as raised to the user, after the strategy's on_exception (callbacks see it before)
+        path = args.out / f"rank{trainer.global_rank}.json"
+        record = json.loads(path.read_text()) if path.exists() else {}
+        path.write_text(json.dumps({**record, "raised": str(err)}))
+        raise
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_mgpu.strategies.preemption import SigtermAgreement
+from lightning_mgpu.strategies.preemption import CHECK_INTERVAL, SigtermAgreement
 from tests.helpers.processes import run_script
 
 REPO = Path(__file__).resolve().parents[2]
@@ -92,6 +92,28 @@ class TestAgreementLogic:
             with pytest.raises(SIGTERMException):
                 agreement.at_train_end()
 
+    @pytest.mark.parametrize("margin", [1, 2, 3])
+    def test_batches_run_after_the_signalled_one_stay_within_the_documented_bound(self, margin):
+        """The README's bound: M to M + I - 1 more batches (M = accumulate_grad_batches, I = CHECK_INTERVAL)."""
+        after = set()
+        for signalled_batch in range(1, 3 * CHECK_INTERVAL):
+            store = dist.HashStore()
+            ranks = [SigtermAgreement(store, margin=margin, interval=CHECK_INTERVAL) for _ in range(2)]
+            stops: dict[int, int] = {}
+            while len(stops) < 2 and ranks[0].batch < 10 * CHECK_INTERVAL:
+                for rank, agreement in enumerate(ranks):
+                    if rank in stops:
+                        continue
+                    try:
+                        agreement.at_batch_boundary()  # boundary b: batch b starts
+                    except SIGTERMException:
+                        stops[rank] = agreement.batch - 1  # batches completed
+                    if rank == 1 and agreement.batch == signalled_batch:
+                        agreement.on_sigterm(signal.SIGTERM, None)  # during batch b, on rank 1
+            assert stops[0] == stops[1]
+            after.add(stops[0] - signalled_batch)
+        assert min(after) == margin and max(after) == margin + CHECK_INTERVAL - 1
+
     def test_install_and_uninstall_touch_one_trainer_only(self):
         trainer, other = Trainer(logger=False), Trainer(logger=False)
         agreement = SigtermAgreement(dist.HashStore(), margin=2)
@@ -135,8 +157,9 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_batch(tmp_path, signal
     completed = {rank: record["completed"] for rank, record in ours["records"].items()}
     assert all(record["exception"] == "SIGTERMException" for record in ours["records"].values())
     assert completed[0] == completed[1]
-    # within a few steps: 1 to publish, accumulate_grad_batches (1) of margin, up to 4 to the next store read
-    assert SIGTERM_BATCH < completed[0] <= SIGTERM_BATCH + 6
+    # the signal arrives during batch SIGTERM_BATCH + 1 (batch_idx counts from 0); every rank then runs
+    # accumulate_grad_batches (1) to accumulate_grad_batches + CHECK_INTERVAL - 1 more batches
+    assert 1 <= completed[0] - (SIGTERM_BATCH + 1) <= 1 + CHECK_INTERVAL - 1
     signal_time = ours["records"][signalled_rank]["signal_time"]
     assert max(r["end_time"] for r in ours["records"].values()) - signal_time < 10
     record_property("ours", {"completed": completed, "seconds": round(ours["seconds"], 1)})
