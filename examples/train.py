@@ -1,21 +1,28 @@
 """The main example: an ordinary LightningModule with BatchNorm, ``strategy="mgpu"`` and every callback of the pack.
 
-Run with no arguments: 2 CPU processes (DDP over gloo), synthetic data, about 10 seconds on 2 cores:
+Run with no arguments: 2 CPU processes (DDP over gloo), synthetic data, 14-20 seconds on 2 cores (20-25 when other
+work shares them):
 
     python examples/train.py
     python examples/train.py --accelerator cuda --devices 4       # the same on GPUs
     python examples/train.py --no-faults                          # without the injected faults
 
-So that the summary has something to show, the last rank meets two faults on purpose (``--no-faults`` removes
-them): its loss is NaN at one step (``NaNSkip`` skips that step on every rank), and from a later step its "device"
-holds only 48 samples' activations, so a full batch raises ``torch.OutOfMemoryError`` (``OOMBackoff`` re-runs the
-batch as micro-batches, and training goes on with the same samples per optimizer step). On rank 0 it ends with:
+So that the summary has something to show, the last rank meets two faults on purpose, and says so when it
+injects each one (``--no-faults`` removes them): its loss is NaN at step 5 (``NaNSkip`` skips that step on every
+rank), and from step 10 its "device" holds only 48 samples' activations, so a full batch raises
+``torch.OutOfMemoryError`` (``OOMBackoff`` re-runs the batch as micro-batches, and training goes on with the same
+samples per optimizer step). When the output is not a terminal (a file, a pipe, CI), the progress is one line per
+epoch instead of tqdm's bar. On rank 0 it ends with:
 
     strategy         MultiGPUStrategy -> ddp (2 cpu devices from a script: ...)
+    processes        2
     skipped steps    1 (NaNSkip)
     OOM recoveries   1; micro-batch size 32 of 64 (OOMBackoff)
     peak memory      ...
     memory timeline  runs/main_example/.../memory_fit_rank0.csv, ....png (the PNG with the plot extra)
+    validation       val_loss ..., val_acc ...
+    injected faults  on purpose, on rank 1: a NaN loss at step 5 and an OOM from step 10 (batches over 48); ...
+    time             ...
 """
 
 import argparse
@@ -26,6 +33,8 @@ import lightning.pytorch as pl
 import torch
 from blobs import BlobClassifier, SyntheticBlobs
 from lightning.pytorch.loggers import CSVLogger
+from progress import progress_callbacks
+from summary import fit_summary
 
 from lightning_mgpu import GPUMemoryMonitor, GradientClipping, NaNSkip, OOMBackoff
 
@@ -63,43 +72,36 @@ class ClassifierWithFaults(BlobClassifier):
         x, _ = batch
         limited = self.memory_limit_from_step is not None and step >= self.memory_limit_from_step
         if faulty_rank and limited and x.shape[0] > self.memory_limit_samples:
+            print(
+                f"injecting an out-of-memory error on rank {self.global_rank} at step {step} (a batch of "
+                f"{x.shape[0]} samples, the rank holds {self.memory_limit_samples}), on purpose: OOMBackoff should "
+                "re-run the batch as micro-batches",
+                flush=True,
+            )
             raise torch.OutOfMemoryError(
                 f"example fault: rank {self.global_rank} holds {self.memory_limit_samples} samples, got {x.shape[0]}"
             )
         loss = super().training_step(batch, batch_idx)
         if faulty_rank and step == self.nan_at_step:
+            print(
+                f"injecting a NaN loss on rank {self.global_rank} at step {step}, on purpose: NaNSkip should skip "
+                "this step on every rank",
+                flush=True,
+            )
             loss = loss * float("nan")
         return loss
 
-
-def peak_memory(monitor: GPUMemoryMonitor, world_size: int) -> str:
-    if monitor.training_peak_mb is None:
-        return "not measured (no training step was logged)"
-    over = f" (max over {world_size} ranks)" if world_size > 1 else ""
-    return f"{monitor.training_peak_source} {monitor.training_peak_mb:.0f} MiB{over}"
-
-
-def summary(trainer: pl.Trainer, seconds: float) -> str:
-    """What the pack did in this run, from the strategy's and the callbacks' own records."""
-    nan_skip = next(cb for cb in trainer.callbacks if isinstance(cb, NaNSkip))
-    oom = next(cb for cb in trainer.callbacks if isinstance(cb, OOMBackoff))
-    monitor = next(cb for cb in trainer.callbacks if isinstance(cb, GPUMemoryMonitor))
-    choice = trainer.strategy.choice
-    batch = trainer.datamodule.batch_size
-    micro = oom.micro_batch_size if oom.micro_batch_size is not None else batch
-    files = (monitor.timeline_path, monitor.plot_path)
-    metrics = ", ".join(f"{k} {float(v):.3f}" for k, v in trainer.callback_metrics.items() if k.startswith("val_"))
-    rows = [
-        ("strategy", f"{type(trainer.strategy).__name__} -> {choice.mode} ({choice.reason})"),
-        ("processes", str(trainer.world_size)),
-        ("skipped steps", f"{nan_skip.skipped_steps} (NaNSkip)"),
-        ("OOM recoveries", f"{oom.recoveries}; micro-batch size {micro} of {batch} (OOMBackoff)"),
-        ("peak memory", peak_memory(monitor, trainer.world_size)),
-        ("memory timeline", ", ".join(str(p) for p in files if p) or "not written"),
-        ("validation", metrics or "not run"),
-        ("time", f"{seconds:.1f} s"),
-    ]
-    return "\n".join(f"  {name:<16} {value}" for name, value in rows)
+    def injected_faults(self) -> str:
+        """The summary's row: which faults this model injects, and where."""
+        rank = f"rank {self.trainer.world_size - 1}"
+        faults = []
+        if self.nan_at_step is not None:
+            faults.append(f"a NaN loss at step {self.nan_at_step}")
+        if self.memory_limit_from_step is not None:
+            faults.append(f"an OOM from step {self.memory_limit_from_step} (batches over {self.memory_limit_samples})")
+        if not faults:
+            return "none (--no-faults)"
+        return f"on purpose, on {rank}: {' and '.join(faults)}; --no-faults removes them"
 
 
 def main() -> None:
@@ -126,6 +128,7 @@ def main() -> None:
             GradientClipping(mode="norm", max_norm=1.0),
             GPUMemoryMonitor(),
             OOMBackoff(),
+            *progress_callbacks(),  # one line per epoch instead of tqdm's bar when the output is a file or a pipe
         ],
         logger=CSVLogger(args.out, name="main_example"),
         log_every_n_steps=10,
@@ -133,8 +136,10 @@ def main() -> None:
     )
     started = time.perf_counter()
     trainer.fit(model, data)
+    seconds = time.perf_counter() - started
     if trainer.is_global_zero:
-        print("\nlightning_mgpu main example: summary\n" + summary(trainer, time.perf_counter() - started), flush=True)
+        faults = [("injected faults", model.injected_faults())]
+        print("\n" + fit_summary(trainer, seconds, "lightning_mgpu main example: summary", faults), flush=True)
 
 
 if __name__ == "__main__":

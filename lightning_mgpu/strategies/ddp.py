@@ -216,6 +216,11 @@ class DDPStrategy(LightningDDPStrategy):
         self._sigterm_agreement: SigtermAgreement | None = None
 
     @property
+    def ddp_kwargs(self) -> dict[str, Any]:
+        """A copy of the keyword arguments ``DistributedDataParallel`` is built with (the bucket size in use)."""
+        return dict(self._ddp_kwargs)
+
+    @property
     def tunes_buckets(self) -> bool:
         """Whether ``bucket_cap_mb`` or ``comm_hook`` is ``"auto"``."""
         return self.bucket_cap_mb == "auto" or self.comm_hook == "auto"
