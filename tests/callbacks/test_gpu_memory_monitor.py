@@ -26,7 +26,7 @@ from lightning_mgpu.utilities.memory_timeline import timeline_plot
 from lightning_mgpu.utilities.training_events import read_events
 from tests.helpers.oom_models import IndexedRegression
 from tests.helpers.processes import run_script
-from tests.helpers.runif import cuda_gpus
+from tests.helpers.runif import run_if
 
 REPO = Path(__file__).resolve().parents[2]
 QUIET = {"enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
@@ -320,8 +320,7 @@ def test_two_ranks_one_all_gather_per_logging_step_and_rank_zero_logs_min_mean_m
         assert Path(records[rank]["timeline"]).with_suffix(".png").is_file()
 
 
-@cuda_gpus(1)
-@pytest.mark.cuda
+@run_if(min_cuda_gpus=1)
 def test_gpu_fit_logs_nvml_and_allocator_keys_and_warns_on_low_headroom(tmp_path):
     monitor = GPUMemoryMonitor(sample_hz=20, warn_headroom_mb=10**9)  # any real GPU is under a petabyte
     logger = CSVLogger(tmp_path, name="", version="")

@@ -1,17 +1,14 @@
 """OOMBackoff with real CUDA out-of-memory errors: the process is limited with
 ``torch.cuda.set_per_process_memory_fraction`` so that a full batch does not fit and half of it does."""
 
-import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import OOMBackoff
-from tests.helpers.runif import cuda_gpus
+from tests.helpers.runif import run_if
 from tests.helpers.trainer import QUIET
-
-pytestmark = pytest.mark.cuda
 
 BATCH = 64
 WIDTH = 8192
@@ -46,7 +43,7 @@ def activation_bytes(samples: int) -> int:
     return samples * 64 * WIDTH * 4 * 4  # four (B, 64, WIDTH) float tensors live for the backward
 
 
-@cuda_gpus(1)
+@run_if(min_cuda_gpus=1)
 def test_a_real_cuda_oom_is_recovered_and_training_finishes(tmp_path):
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(0).total_memory

@@ -12,11 +12,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import DataParallelStrategy, MultiGPUStrategy
-from tests.helpers.runif import cuda_gpus
+from tests.helpers.runif import run_if
 from tests.helpers.trainer import QUIET
 from tests.strategies.test_data_parallel import BATCH, Regressor, data
-
-pytestmark = pytest.mark.cuda
 
 
 def fit_dp(model, devices, precision="32-true", steps=1):
@@ -33,7 +31,7 @@ def fit_dp(model, devices, precision="32-true", steps=1):
     return trainer
 
 
-@cuda_gpus(2)
+@run_if(min_cuda_gpus=2)
 def test_two_gpu_step_equals_one_device_on_the_whole_batch():
     model = Regressor()
     reference = copy.deepcopy(model)
@@ -51,7 +49,7 @@ def test_two_gpu_step_equals_one_device_on_the_whole_batch():
     assert model.batch_outputs[0]["preds"].shape == (BATCH, 1)
 
 
-@cuda_gpus(1)
+@run_if(min_cuda_gpus=1)
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
 def test_mixed_precision_trains(precision):
     devices = min(torch.cuda.device_count(), 2)
@@ -61,7 +59,7 @@ def test_mixed_precision_trains(precision):
     assert torch.isfinite(trainer.callback_metrics["train_loss"])
 
 
-@cuda_gpus(1)
+@run_if(min_cuda_gpus=1)
 def test_building_the_trainer_does_not_initialise_cuda():
     code = textwrap.dedent(
         """
@@ -75,7 +73,7 @@ def test_building_the_trainer_does_not_initialise_cuda():
     assert out[-2:] == ["single", "False"]
 
 
-@cuda_gpus(2)
+@run_if(min_cuda_gpus=2)
 def test_interactive_session_with_cuda_initialised_chooses_dataparallel():
     code = textwrap.dedent(
         """
@@ -91,7 +89,7 @@ def test_interactive_session_with_cuda_initialised_chooses_dataparallel():
     assert out[-2:] == ["DataParallelStrategy", "dp"]
 
 
-@cuda_gpus(2)
+@run_if(min_cuda_gpus=2)
 def test_multigpu_dp_mode_fits():
     model = Regressor()
     trainer = Trainer(

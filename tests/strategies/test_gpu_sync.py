@@ -11,10 +11,8 @@ from lightning.pytorch import Callback, Trainer
 from lightning_mgpu import MultiGPUStrategy
 from lightning_mgpu.strategies.preemption import SigtermAgreement
 from tests.helpers.models import BatchNormClassifier
-from tests.helpers.runif import cuda_gpus
+from tests.helpers.runif import run_if
 from tests.helpers.trainer import QUIET
-
-pytestmark = pytest.mark.cuda
 
 
 class WatchSyncsFrom(Callback):
@@ -31,7 +29,7 @@ class WatchSyncsFrom(Callback):
         torch.cuda.set_sync_debug_mode(0)
 
 
-@cuda_gpus(1)
+@run_if(min_cuda_gpus=1)
 def test_steady_state_steps_cause_no_host_sync_in_our_code():
     model = BatchNormClassifier(per_rank_batch=(16,), steps=12)
     trainer = Trainer(
@@ -56,7 +54,7 @@ def test_steady_state_steps_cause_no_host_sync_in_our_code():
     assert not ours
 
 
-@cuda_gpus(1)
+@run_if(min_cuda_gpus=1)
 @pytest.mark.parametrize("cuda_events", [False, True])
 def test_sigterm_agreement_check_causes_no_host_sync(cuda_events):
     torch.zeros(1, device="cuda")  # CUDA initialised, as in training
@@ -72,7 +70,7 @@ def test_sigterm_agreement_check_causes_no_host_sync(cuda_events):
         torch.cuda.set_sync_debug_mode(0)
 
 
-@cuda_gpus(1)
+@run_if(min_cuda_gpus=1)
 def test_stability_callbacks_cause_no_host_sync_with_a_fused_optimizer():
     from lightning_mgpu import GradientClipping, NaNSkip
 
@@ -101,7 +99,7 @@ def test_stability_callbacks_cause_no_host_sync_with_a_fused_optimizer():
     assert next(c for c in trainer.callbacks if isinstance(c, NaNSkip)).skipped_steps == 1
 
 
-@cuda_gpus(1)
+@run_if(min_cuda_gpus=1)
 def test_nanskip_counts_gradscaler_skips_under_16_mixed():
     from lightning_mgpu import NaNSkip
 

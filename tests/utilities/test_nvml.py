@@ -26,7 +26,7 @@ from tests.helpers.fake_pynvml import (
     NVMLError_DriverNotLoaded,
     NVMLError_NoPermission,
 )
-from tests.helpers.runif import cuda_gpus
+from tests.helpers.runif import run_if
 
 A100 = "GPU-aaaaaaaa-0000-1111-2222-333333333333"
 T4 = "GPU-bbbbbbbb-0000-1111-2222-333333333333"
@@ -488,7 +488,7 @@ def test_torch_device_uuid_without_cuda():
     assert not torch.cuda.is_initialized()
 
 
-@cuda_gpus()
+@run_if(min_cuda_gpus=1)
 def test_real_gpu_maps_torch_device_zero_by_uuid():
     session = NVMLSession()
     if not session.start():
