@@ -157,7 +157,8 @@ class MGPULightningCLI(LightningCLI):
         parser.add_argument(
             "--per_device_batch_size",
             type=PositiveInt | None,
-            default=_DERIVED_BATCH_DEFAULT,
+            # derived by interpolation, which only omegaconf+ resolves after every config is merged
+            default=_DERIVED_BATCH_DEFAULT if parser.parser_mode == "omegaconf+" else None,
             help="samples per batch per process; by default global_batch_size / (devices x num_nodes x"
             " accumulate_grad_batches) when global_batch_size is given, else unset",
         )

@@ -7,6 +7,7 @@ import pytest
 import torch
 import yaml
 from lightning.pytorch import Callback
+from lightning.pytorch.demos.boring_classes import BoringModel
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_mgpu import MultiGPUStrategy
@@ -234,3 +235,11 @@ def test_a_misspelt_ddp_option_under_dict_kwargs_is_refused_with_the_closest_nam
         build(
             "--config", str(BLOBS), "--config", str(options), "--per_device_batch_size=16", "--trainer.accelerator=cpu"
         )
+
+
+@pytest.mark.parametrize("parser_mode", ["yaml", "omegaconf"])
+def test_other_parser_modes_leave_per_device_batch_size_unset(parser_mode):
+    cli = MGPULightningCLI(
+        BoringModel, args=["--trainer.accelerator=cpu"], run=False, parser_kwargs={"parser_mode": parser_mode}
+    )
+    assert cli.config["per_device_batch_size"] is None

@@ -186,7 +186,7 @@ class GradientClipping(Callback):
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # after configure_model, which may build layers (the classifier to exclude, say) after setup
         names = [name for name, _ in pl_module.named_parameters()]
-        matched = {pattern: fnmatch.filter(names, pattern) for pattern in self.exclude}
+        matched = {pattern: [n for n in names if fnmatch.fnmatchcase(n, pattern)] for pattern in self.exclude}
         self._excluded_ids = {
             id(param)
             for name, param in pl_module.named_parameters()

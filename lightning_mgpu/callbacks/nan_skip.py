@@ -221,7 +221,11 @@ class NaNSkip(Callback):
             pl_module.log("skipped_steps", self._skipped.float(), on_step=True, on_epoch=False)
         # read at the end of the batch, once the optimizer step is queued, not before it
         self._bar_due = self.progress_bar and has_progress_bar(trainer)
-        self._report_due = self._unread_from is not None
+        # a fused optimizer's skips are read only where the count is read anyway (a logger writes it, the bar shows
+        # it); otherwise they are reported at the end of training
+        self._report_due = self._unread_from is not None and (
+            self._bar_due or (self.log_skipped and bool(trainer.loggers))
+        )
 
     @override
     def on_train_batch_end(

@@ -95,7 +95,8 @@ def install_strategy_name_hint() -> bool:
             hint = unknown_strategy_message(strategy) if isinstance(strategy, str) else None
             if hint is None or "strategy name" not in str(err):
                 raise
-            raise ValueError(f"{err}\n{hint}") from err
+            err.args = (f"{err}\n{hint}", *err.args[1:])  # Lightning's error, once, with the hint added
+            raise
 
     check_with_hint._lightning_mgpu_hint = True  # type: ignore[attr-defined]
     connector._check_config_and_set_final_flags = check_with_hint  # type: ignore[union-attr]

@@ -277,11 +277,13 @@ class DDPStrategy(LightningDDPStrategy):
         # which would replace this strategy; point at this class's option instead and keep DDP's own text
         super(LightningDDPStrategy, self).on_exception(exception)
         owner = type(self).__name__
+        module = type(self).__module__
+        class_path = f"lightning_mgpu.{owner}" if module.startswith("lightning_mgpu.") else f"{module}.{owner}"
         hint = (
             "It looks like your LightningModule has parameters that were not used in producing the loss returned by "
             f"training_step. If this is intentional, enable DDP's detection of unused parameters with "
             f"`{owner}(find_unused_parameters=True)`, or in a YAML config `init_args: {{find_unused_parameters: "
-            f"true}}` under `class_path: lightning_mgpu.{owner}`. DistributedDataParallel's error: "
+            f"true}}` under `class_path: {class_path}`. DistributedDataParallel's error: "
         )
         exception.args = tuple(
             hint + arg if isinstance(arg, str) and _UNUSED_PARAMETERS_ERROR in arg else arg for arg in exception.args
@@ -513,7 +515,8 @@ def _check_ddp_kwargs(strategy: LightningDDPStrategy, kwargs: dict[str, Any]) ->
         if name in accepted:
             continue
         if name in _SET_BY_THE_STRATEGY:
-            raise TypeError(f"{owner}: {name} is set by the strategy from the Trainer's devices; leave it out")
+            what = "the LightningModule" if name == "module" else "the Trainer's devices"
+            raise TypeError(f"{owner}: {name} is set by the strategy from {what}; leave it out")
         own = inspect.signature(type(strategy).__init__).parameters
         candidates = accepted | {n for n, p in own.items() if n != "self" and p.kind is not p.VAR_KEYWORD}
         close = difflib.get_close_matches(name, sorted(candidates), n=1)

@@ -132,12 +132,22 @@ class SigtermAgreement:
         # handler from `_sigterm_notifier_fn` when the fit registers handlers, after strategy.setup
         trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self.at_batch_boundary
         trainer._signal_connector._sigterm_notifier_fn = self.on_sigterm
+        run_end = trainer.fit_loop.on_run_end
+
+        def leave_training_loop() -> Any:
+            # whatever ended the loop (the data, max_steps, a Timer, EarlyStopping, should_stop): this rank's last
+            # batch is behind it, so the meeting waits for it while callbacks' on_train_end hooks run
+            self.publish_possibly_last_batch()
+            return run_end()
+
+        trainer.fit_loop.on_run_end = leave_training_loop
 
     def uninstall(self) -> None:
         """Give the trainer its stock behaviour back."""
         trainer = self._trainer
         if trainer is not None:
             trainer.fit_loop.epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+            trainer.fit_loop.__dict__.pop("on_run_end", None)
             trainer._signal_connector.__dict__.pop("_sigterm_notifier_fn", None)
         self._trainer = None
 
@@ -211,11 +221,14 @@ class SigtermAgreement:
             # rank 0 serves the store: the others' last request must be answered before its process may exit
             self._wait_for("left", time.monotonic() + END_OF_FIT_TIMEOUT)
         if stop:
-            trainer = self._trainer
-            if trainer is not None:
-                trainer._signal_connector.received_sigterm = True
-                log.info(rank_prefixed_message(f"Stopping at batch {self.batch} after a SIGTERM", trainer.local_rank))
-            raise SIGTERMException()
+            self._raise_sigterm()
+
+    def _raise_sigterm(self) -> None:
+        trainer = self._trainer
+        if trainer is not None:
+            trainer._signal_connector.received_sigterm = True
+            log.info(rank_prefixed_message(f"Stopping at batch {self.batch} after a SIGTERM", trainer.local_rank))
+        raise SIGTERMException()
 
     def _publish_late_signal(self) -> None:
         if self.signalled and not self.published:
@@ -228,9 +241,15 @@ class SigtermAgreement:
         # hooks or a validation; at the end of the data it may instead be stuck in a batch this rank does not have
         short_deadline = start + END_OF_FIT_TIMEOUT if at_train_end else None
         long_deadline = start + self.timeout.total_seconds()
+        signal_deadline: float | None = None
+        # a signal after this rank arrived is not published: every rank decides on the key after all have arrived,
+        # so all decide alike; a signalled rank waits END_OF_FIT_TIMEOUT more at most, then stops alone
         while int(self.store.add("arrived", 0)) < self.world_size:
-            self._publish_late_signal()  # a SIGTERM while waiting still stops every rank
             now = time.monotonic()
+            if self.signalled and signal_deadline is None:
+                signal_deadline = now + END_OF_FIT_TIMEOUT
+            if signal_deadline is not None and now > signal_deadline:
+                self._raise_sigterm()
             if short_deadline is not None and now > short_deadline:
                 missing = self._missing_ranks()
                 stuck = {r: f for r, f in missing.items() if f != self.batch}
@@ -240,8 +259,10 @@ class SigtermAgreement:
             if now > long_deadline:
                 names = ", ".join(map(str, self._missing_ranks()))
                 raise EndOfFitTimeoutError(
-                    f"lightning_mgpu: rank(s) {names} started their final training batch but did not reach the end "
-                    f"of the fit within the process group's timeout ({self.timeout}) of rank {self.rank}"
+                    f"lightning_mgpu: rank(s) {names} left their training loop but did not reach the end of the fit "
+                    f"within the process group's timeout ({self.timeout}) of rank {self.rank}: a rank that crashed in "
+                    "its on_train_end hooks, or hooks slower than the timeout (raise it with "
+                    "MultiGPUStrategy(timeout=...))"
                 )
             time.sleep(_POLL_SECONDS)
 
@@ -284,8 +305,9 @@ def _may_end_the_fit(trainer: "pl.Trainer") -> bool:
     """Whether the batch that has just started may be the fit's last: its epoch's last, or the step ``max_steps``.
 
     Reads the training epoch loop's ``batch_progress`` (probed in :func:`_unsupported_reason`). A fit stopped
-    mid-epoch otherwise (``trainer.should_stop`` from a Timer) publishes nothing, and its ranks meet at the end
-    under the short :data:`END_OF_FIT_TIMEOUT`.
+    mid-epoch otherwise (``trainer.should_stop`` from a Timer or EarlyStopping) publishes when it leaves the training
+    loop, so a rank slow in its ``on_train_end`` hooks is waited for; only one slow in a validation run inside such
+    a last batch is not, and meets the others under the short :data:`END_OF_FIT_TIMEOUT`.
     """
     progress = trainer.fit_loop.epoch_loop.batch_progress
     if progress.is_last_batch or progress.current.ready >= trainer.num_training_batches:
@@ -310,6 +332,8 @@ def _unsupported_reason(trainer: "pl.Trainer") -> str | None:
     progress = getattr(epoch_loop, "batch_progress", None)
     if not (hasattr(progress, "is_last_batch") and hasattr(getattr(progress, "current", None), "ready")):
         return "this Lightning's training loop keeps its batch progress differently"
+    if not callable(getattr(trainer.fit_loop, "on_run_end", None)):
+        return "this Lightning's fit loop has no on_run_end"
     if not hasattr(getattr(trainer, "_signal_connector", None), "_sigterm_notifier_fn"):
         return "this Lightning's signal connector differs"
     if not hasattr(dist.distributed_c10d, "_get_default_store"):

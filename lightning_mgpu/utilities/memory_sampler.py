@@ -31,6 +31,8 @@ GPU_METRICS: tuple[str, ...] = (
     "ooms",
 )
 HOST_METRICS: tuple[str, ...] = ("rss_mb", "peak_rss_mb", "available_mb")
+# the GPU metrics read from NVML, not from torch's allocator
+_NVML_METRICS: tuple[str, ...] = ("free_mb", "utilization_pct", "temperature_c", "power_w")
 _MAX = ("peak_allocated_mb", "peak_rss_mb")
 _MIN = ("free_mb", "headroom_mb", "available_mb")
 _MEAN = ("utilization_pct", "temperature_c", "power_w")
@@ -221,11 +223,18 @@ class MemorySampler:
         window = self.take_window()
         return torch.tensor([window.get(key, math.nan) for key in self.keys], dtype=torch.float64)
 
-    def sample(self) -> MemorySample:
-        """Read every metric once and hand the sample to the window and the listeners."""
+    def sample(self, query_nvml: bool = True) -> MemorySample:
+        """Read every metric once and hand the sample to the window and the listeners.
+
+        Args:
+            query_nvml: ``False`` takes the NVML figures (free memory, utilisation, temperature, power) from the
+                latest sample instead of asking the driver: for the training thread, which must never wait on a
+                wedged driver call (the sampling thread may; :meth:`stop` leaves it behind).
+        """
         values: dict[str, float | None] = {}
+        previous = None if query_nvml else self.latest
         for gpu in self.gpus:
-            values.update(self._read_gpu(gpu))
+            values.update(self._read_gpu(gpu, query_nvml, previous))
         rss = process_rss_mb()
         values.update({"host/rss_mb": rss, "host/peak_rss_mb": rss, "host/available_mb": host_available_mb()})
         with self._lock:
@@ -251,7 +260,8 @@ class MemorySampler:
         """Sample on the calling thread, unless a sample was taken in the last ``min_gap_s`` seconds.
 
         For the points a short run would otherwise miss (stage boundaries, events, logging steps): a read of ``/proc``
-        and of the allocator's counters, and NVML queries, on the host; no device synchronisation.
+        and of the allocator's counters on the host, no device synchronisation; the NVML figures are the thread's
+        latest (no driver query on the calling thread).
 
         Returns:
             Whether a sample was taken.
@@ -259,16 +269,16 @@ class MemorySampler:
         latest = self.latest
         if latest is not None and time.monotonic() - self._start_time - latest.time_s < min_gap_s:
             return False
-        self._sample_safely()
+        self._sample_safely(query_nvml=False)
         return True
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
             self._sample_safely()
 
-    def _sample_safely(self) -> None:
+    def _sample_safely(self, query_nvml: bool = True) -> None:
         try:
-            self.sample()
+            self.sample(query_nvml)
         except Exception as err:
             self._failed(f"a memory reading failed: {err!r}")
 
@@ -277,10 +287,17 @@ class MemorySampler:
             self.failures.append(message)
             self.warn(f"GPUMemoryMonitor: {message}")
 
-    def _read_gpu(self, gpu: MonitoredGPU) -> dict[str, float | None]:
+    def _read_gpu(
+        self, gpu: MonitoredGPU, query_nvml: bool = True, previous: MemorySample | None = None
+    ) -> dict[str, float | None]:
         values: dict[str, float | None] = dict.fromkeys((f"{gpu.slot}/{m}" for m in GPU_METRICS), None)
         prefix = f"{gpu.slot}/"
-        reading = self.nvml.read(gpu.nvml) if gpu.nvml is not None and self.nvml.available else None
+        reading = None
+        if query_nvml and gpu.nvml is not None and self.nvml.available:
+            reading = self.nvml.read(gpu.nvml)
+        elif previous is not None:
+            for metric in _NVML_METRICS:
+                values[prefix + metric] = previous.values.get(prefix + metric)
         if reading is not None:
             values[prefix + "free_mb"] = reading.memory_free_mb
             values[prefix + "utilization_pct"] = reading.utilization_pct

@@ -11,7 +11,7 @@ from lightning.pytorch import Callback, Trainer
 from lightning_mgpu import GradientClipping, MultiGPUStrategy, NaNSkip, NonFiniteStepsError
 from tests.helpers.models import BatchNormClassifier, RankStateDump, finished_fits_survive_exit_aborts, load_rank_dumps
 from tests.helpers.processes import run_script
-from tests.helpers.trainer import QUIET
+from tests.helpers.trainer import QUIET, RecordingLogger
 
 BAD_STEP = 2
 STEPS = 5
@@ -23,8 +23,7 @@ def fit_one(model, tmp_path, callbacks=(), steps=STEPS, **kwargs):
         devices=1,
         max_steps=steps,
         callbacks=[*callbacks, RankStateDump(tmp_path)],
-        **QUIET,
-        **kwargs,
+        **{**QUIET, **kwargs},
     )
     trainer.fit(model)
     return load_rank_dumps(tmp_path, world_size=1)[0], trainer
@@ -395,14 +394,19 @@ def test_a_gradient_skip_names_the_gradients(tmp_path, caplog):
     assert skip_lines(caplog) == ["NaNSkip: skipped optimizer step 1: NaN or Inf gradients; 1 skipped so far."]
 
 
-@pytest.mark.parametrize(("log_every", "counts", "through"), [(4, [0, 0, 0, 0, 1, 1, 1, 1, 1, 1], 3), (0, [0] * 10, 9)])
-def test_a_fused_optimizer_skip_is_told_at_the_next_logging_step(tmp_path, caplog, log_every, counts, through):
+@pytest.mark.parametrize(
+    ("log_every", "logger", "counts", "through"),
+    [(4, True, [0, 0, 0, 0, 1, 1, 1, 1, 1, 1], 3), (4, False, [0] * 10, 9), (0, True, [0] * 10, 9)],
+)
+def test_a_fused_optimizer_skip_is_told_at_the_next_logging_step(tmp_path, caplog, log_every, logger, counts, through):
     torch.manual_seed(0)
     seen, skip = LinesSoFar(caplog), NaNSkip()
     model = BatchNormClassifier((8,), steps=10, lr=0.01, optimizer="adam_fused", inject=("grad_inf", 0, BAD_STEP))
+    loggers = {"logger": RecordingLogger()} if logger else {}
     with caplog.at_level(logging.INFO):
-        fit_one(model, tmp_path, callbacks=[skip, seen], steps=10, log_every_n_steps=log_every)
-    # no host read per step: the count is read at logging steps (3, 7 with log_every_n_steps=4) or at the end
+        fit_one(model, tmp_path, callbacks=[skip, seen], steps=10, log_every_n_steps=log_every, **loggers)
+    # no host read of its own: the count is read at logging steps where a logger reads it anyway (3, 7 with
+    # log_every_n_steps=4), else at the end of training
     assert skip_lines(caplog) == [
         f"NaNSkip: 1 optimizer step skipped since step 0 (through step {through}; the fused optimizer skips on the "
         "device, read at logging steps); 1 skipped so far."

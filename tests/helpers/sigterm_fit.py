@@ -131,6 +131,24 @@ class SlowLastValidation(pl.Callback):
             time.sleep(self.seconds)
 
 
+class StopMidEpochThenSlowEnd(pl.Callback):
+    """Stops the fit mid-epoch at ``stop_step`` (as a Timer or EarlyStopping does); one rank then spends ``seconds``
+    in its ``on_train_end`` (a rank-zero export or upload)."""
+
+    def __init__(self, stop_step: int, rank: int, seconds: float):
+        self.stop_step = stop_step
+        self.rank = rank
+        self.seconds = seconds
+
+    def on_train_batch_end(self, trainer, *_):
+        if trainer.global_step == self.stop_step:
+            trainer.should_stop = True
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.global_rank == self.rank:
+            time.sleep(self.seconds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", choices=["mgpu", "stock"], required=True)
@@ -146,6 +164,7 @@ def main() -> None:
     parser.add_argument("--end-timeout", type=float, help="sets preemption.END_OF_FIT_TIMEOUT (seconds)")
     parser.add_argument("--slow-validation", type=float, nargs=2, metavar=("RANK", "SECONDS"))
     parser.add_argument("--unused-parameter", action="store_true")
+    parser.add_argument("--stop-then-slow-end", type=float, nargs=3, metavar=("STEP", "RANK", "SECONDS"))
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -177,6 +196,9 @@ def main() -> None:
         callbacks.append(SlowLastValidation(int(args.slow_validation[0]), args.slow_validation[1]))
     if args.unused_parameter:
         model = MLPWithUnusedParameter()
+    if args.stop_then_slow_end:
+        step, rank, seconds = args.stop_then_slow_end
+        callbacks.append(StopMidEpochThenSlowEnd(int(step), int(rank), seconds))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,

@@ -34,6 +34,24 @@ def test_gpu_slot_reads_its_own_nvml_device_matched_by_uuid():
     )
 
 
+def test_sample_now_on_the_training_thread_asks_nvml_nothing():
+    # a wedged driver call may block the sampling thread, never the training loop: its samples reuse the thread's
+    gpu = FakeGPU(name="NVIDIA H100 80GB HBM3", uuid="GPU-1111aaaa-0000-0000-0000-000000000000", temperature=55)
+    gpu.memory_total, gpu.memory_used = 80 * GiB, 30 * GiB
+    fake = FakeNVML([gpu])
+    session = NVMLSession(load=lambda: fake, warn=lambda message: None)
+    assert session.start()
+    mapping = session.map_torch_devices([0], ["1111aaaa-0000-0000-0000-000000000000"])
+    sampler = MemorySampler([MonitoredGPU("gpu0", 0, mapping[0])], session, hz=10, step=lambda: 7)
+    sampler.sample()  # the thread's sample
+    queries = sum(count for name, count in fake.calls.items() if name != "nvmlInit")
+    assert sampler.sample_now(min_gap_s=0.0)
+    assert sum(count for name, count in fake.calls.items() if name != "nvmlInit") == queries
+    assert sampler.latest.values["gpu0/free_mb"] == pytest.approx(50 * 1024)
+    assert sampler.latest.values["gpu0/temperature_c"] == 55
+    assert sampler.samples_taken == 2
+
+
 def test_window_takes_max_of_peaks_min_of_free_mean_of_utilisation_and_last_of_the_rest():
     sampler, gpu, _ = sampler_over_fake(memory_total=80 * GiB)
     for used_gib, util in ((10, 20), (40, 60), (25, 100)):
