@@ -12,12 +12,11 @@ from lightning_mgpu.configs import CONFIG_NAMES, config_path, config_summary
 
 
 def _devices(text: str) -> int | str:
-    if text == "auto":
-        return text
+    # counted by lightning_mgpu.utilities.devices, as the Trainer counts them: "0,1" and "auto" stay strings
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of devices, -1 or 'auto', got {text!r}") from None
+        return text
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -44,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name in CONFIG_NAMES:
                 print(f"{name:<16} {config_summary(name)}\n{'':<16} {config_path(name)}")
         return 0
-    from lightning_mgpu.utilities.environment_report import environment_report
+    from lightning_mgpu.commands.env import environment_report
 
     try:
         print(environment_report(accelerator=args.accelerator, devices=args.devices, num_nodes=args.nodes))

@@ -10,13 +10,14 @@ import pytest
 from lightning.pytorch import Trainer
 
 from lightning_mgpu import MultiGPUStrategy
-from lightning_mgpu.strategies.choice import LaunchContext, choose_strategy
-from lightning_mgpu.utilities.environment_report import (
+from lightning_mgpu.commands.env import (
     build_launch_context,
     detect_launcher,
     environment_report,
     torch_device_lines,
 )
+from lightning_mgpu.strategies.choice import LaunchContext, choose_strategy
+from lightning_mgpu.utilities.devices import count_processes
 from lightning_mgpu.utilities.nvml import NVMLSession
 from tests.helpers.fake_pynvml import FakeGPU, FakeMIG, FakeNVML, GiB, MiB
 from tests.helpers.processes import clear_launch_environment
@@ -107,8 +108,8 @@ def test_without_a_command_prints_help_and_exits_2():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (("env", "--devices", "x"), "expected a number of devices, -1 or 'auto', got 'x'"),
-        (("env", "--accelerator", "cpu", "--devices", "-1"), "devices=-1 means every GPU"),
+        (("env", "--devices", "x"), "devices='x' cannot be used with accelerator='cpu': give a count >= 1"),
+        (("env", "--accelerator", "cpu", "--devices", "-1"), "devices=-1 cannot be used with accelerator='cpu'"),
         # checked by environment_report now, so that building the parser imports no torch
         (("env", "--accelerator", "tpu"), "accelerator must be one of 'auto', 'cpu', 'cuda', 'gpu', got 'tpu'"),
     ],
@@ -184,9 +185,9 @@ def test_torch_device_mapping_without_nvml(monkeypatch):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"devices": 0}, "devices must be"),
-        ({"devices": -2}, "devices must be"),
-        ({"accelerator": "cpu", "devices": -1}, "devices=-1 means every GPU"),
+        ({"devices": 0}, "devices=0 cannot be used with accelerator='cpu'"),
+        ({"devices": -2}, "devices=-2 cannot be used with accelerator='cpu'"),
+        ({"accelerator": "cpu", "devices": -1}, "devices=-1 cannot be used with accelerator='cpu'"),
         ({"num_nodes": 0}, "num_nodes must be"),
         ({"accelerator": "tpu"}, "accelerator must be one of"),
     ],
@@ -194,6 +195,13 @@ def test_torch_device_mapping_without_nvml(monkeypatch):
 def test_build_launch_context_rejects(kwargs, match):
     with pytest.raises(ValueError, match=match):
         build_launch_context(**kwargs)
+
+
+def test_devices_are_counted_as_the_trainer_and_the_batch_arithmetic_count_them():
+    # one home for device arithmetic: a list of indices is 2 devices here as in the configs' batch size
+    assert build_launch_context(accelerator="cpu", devices="0,1").num_devices == 2
+    assert build_launch_context(accelerator="cpu", devices="3").num_devices == 3
+    assert count_processes("0,1", 1, "cpu") == 2
 
 
 def test_detect_launcher_leaves_the_environment_alone(monkeypatch):

@@ -15,12 +15,6 @@ def has_progress_bar(trainer: "pl.Trainer") -> bool:
     return trainer.progress_bar_callback is not None
 
 
-def check_progress_bar(owner: str, value: object) -> None:
-    """Refuse a ``progress_bar`` option that is not a bool, naming the callback and the value."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{owner}: progress_bar must be True or False, got {value!r}")
-
-
 def show_in_progress_bar(
     pl_module: "pl.LightningModule", name: str, value: float, rank_zero_only: bool = False
 ) -> None:

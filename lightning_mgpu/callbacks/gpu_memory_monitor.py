@@ -15,7 +15,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_mgpu._imports import MATPLOTLIB_AVAILABLE, PROMETHEUS_AVAILABLE
-from lightning_mgpu.callbacks._logging import check_progress_bar, has_progress_bar, show_in_progress_bar
+from lightning_mgpu.callbacks._logging import has_progress_bar, show_in_progress_bar
 from lightning_mgpu.strategies.data_parallel import DataParallelStrategy
 from lightning_mgpu.utilities.host_group import host_side_group
 from lightning_mgpu.utilities.memory_headroom import HeadroomWatch
@@ -24,6 +24,7 @@ from lightning_mgpu.utilities.memory_timeline import MemoryTimeline, plot_timeli
 from lightning_mgpu.utilities.nvml import NVMLSession, torch_device_uuid
 from lightning_mgpu.utilities.prometheus_exporter import PrometheusExporter
 from lightning_mgpu.utilities.training_events import EventFile, EventKind, EventLog, events_path
+from lightning_mgpu.utilities.validation import check_bool, check_int, check_number, check_sequence, check_str
 
 RANK_STATISTICS: tuple[str, ...] = ("max_rank", "min", "mean", "max")
 METRICS: tuple[str, ...] = GPU_METRICS + HOST_METRICS
@@ -123,9 +124,11 @@ class GPUMemoryMonitor(Callback):
         progress_bar: show ``peak_mem_mb`` in the progress bar.
 
     Raises:
+        TypeError: an option of the wrong type: a ``sample_hz`` or ``warn_headroom_mb`` that is not a number, a
+            ``log_prefix`` that is not a string, a ``metrics`` that is not a list of strings, a ``prometheus_port``
+            that is not an int, or a ``plot``, ``track_peak`` or ``progress_bar`` that is not a bool.
         ValueError: a ``sample_hz`` outside (0, 100], a negative or non-finite ``warn_headroom_mb``, an empty
-            ``log_prefix``, an unknown name in ``metrics`` or a ``prometheus_port`` outside 0-65535.
-        TypeError: a ``progress_bar`` that is not a bool.
+            ``log_prefix``, an empty ``metrics`` or an unknown name in it, or a ``prometheus_port`` outside 0-65535.
         ModuleNotFoundError: ``prometheus_port`` is set but ``prometheus-client`` is not installed.
 
     Example::
@@ -148,44 +151,32 @@ class GPUMemoryMonitor(Callback):
         progress_bar: bool = True,
     ) -> None:
         owner = type(self).__name__
-        if isinstance(sample_hz, bool) or not isinstance(sample_hz, (int, float)) or not 0 < sample_hz <= 100:
-            raise ValueError(f"{owner}: sample_hz must be a number in (0, 100] samples per second, got {sample_hz!r}")
-        if warn_headroom_mb is not None and (
-            isinstance(warn_headroom_mb, bool)
-            or not isinstance(warn_headroom_mb, (int, float))
-            or not math.isfinite(warn_headroom_mb)
-            or warn_headroom_mb < 0
-        ):
-            raise ValueError(
-                f"{owner}: warn_headroom_mb must be a non-negative number of MiB, got {warn_headroom_mb!r}; "
-                "use None to warn on allocator retries only"
+        check_number(owner, "sample_hz", sample_hz, 0, 100, min_inclusive=False, unit="samples per second")
+        check_number(
+            owner,
+            "warn_headroom_mb",
+            warn_headroom_mb,
+            minimum=0,
+            allow_none=True,
+            unit="MiB",
+            hint="use None to warn on allocator retries only",
+        )
+        check_str(owner, "log_prefix", log_prefix)
+        metrics = check_sequence(
+            owner, "metrics", metrics, "metric names", choices=METRICS, allow_empty=False, allow_none=True
+        )
+        for name, flag in (("plot", plot), ("track_peak", track_peak), ("progress_bar", progress_bar)):
+            check_bool(owner, name, flag)
+        check_int(owner, "prometheus_port", prometheus_port, 0, 65535, allow_none=True, hint="0 picks a free port")
+        if prometheus_port is not None and not PROMETHEUS_AVAILABLE:
+            raise ModuleNotFoundError(
+                f"{owner}: prometheus_port={prometheus_port} needs prometheus-client: "
+                f"pip install 'lightning-mgpu[prometheus]' ({PROMETHEUS_AVAILABLE.message})"
             )
-        if not isinstance(log_prefix, str) or not log_prefix:
-            raise ValueError(f"{owner}: log_prefix must be a non-empty string, got {log_prefix!r}")
-        if metrics is not None:
-            unknown = [m for m in metrics if m not in METRICS] if isinstance(metrics, (list, tuple)) else [metrics]
-            if unknown or not metrics:
-                raise ValueError(
-                    f"{owner}: metrics must be a non-empty list of {', '.join(METRICS)} (or None for all), "
-                    f"got {metrics!r}"
-                )
-        check_progress_bar(owner, progress_bar)
-        if prometheus_port is not None:
-            if isinstance(prometheus_port, bool) or not isinstance(prometheus_port, int) or not prometheus_port >= 0:
-                raise ValueError(
-                    f"{owner}: prometheus_port must be an int in 0-65535 (0 picks a free port), got {prometheus_port!r}"
-                )
-            if prometheus_port > 65535:
-                raise ValueError(f"{owner}: prometheus_port must be an int in 0-65535, got {prometheus_port!r}")
-            if not PROMETHEUS_AVAILABLE:
-                raise ModuleNotFoundError(
-                    f"{owner}: prometheus_port={prometheus_port} needs prometheus-client: "
-                    f"pip install 'lightning-mgpu[prometheus]' ({PROMETHEUS_AVAILABLE.message})"
-                )
         self.sample_hz = float(sample_hz)
         self.warn_headroom_mb = warn_headroom_mb
         self.log_prefix = log_prefix
-        self.metrics = None if metrics is None else list(metrics)
+        self.metrics = metrics
         self.timeline_dir = timeline_dir
         self.plot = plot
         self.track_peak = track_peak

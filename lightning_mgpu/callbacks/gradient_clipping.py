@@ -1,7 +1,6 @@
 """Gradient clipping by norm, by value, unit-wise adaptive (AGC) or against running norm statistics (z-score)."""
 
 import fnmatch
-import math
 from collections.abc import Sequence
 from typing import Any, Literal, get_args
 
@@ -17,7 +16,6 @@ from typing_extensions import override
 from lightning_mgpu.callbacks._amp import params_to_step
 from lightning_mgpu.callbacks._grad_norms import clear_gradient_norms, gradient_norms
 from lightning_mgpu.callbacks._logging import (
-    check_progress_bar,
     has_progress_bar,
     is_logging_step,
     show_in_progress_bar,
@@ -28,6 +26,14 @@ from lightning_mgpu.utilities.clip_grad import (
     scale_grads_,
     total_grad_norm,
     zscore_clip_grads_,
+)
+from lightning_mgpu.utilities.validation import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    check_positive,
+    check_sequence,
 )
 
 ClipMode = Literal["norm", "value", "agc", "zscore"]
@@ -90,8 +96,11 @@ class GradientClipping(Callback):
         progress_bar: show ``grad_norm`` in the progress bar.
 
     Raises:
-        ValueError: an unknown mode, a missing or non-positive threshold, or an option of another mode.
-        TypeError: an option of the wrong type, or a ``progress_bar`` that is not a bool.
+        TypeError: an option of the wrong type: a ``mode`` that is not a string, a threshold that is not a number, a
+            ``warmup_steps`` that is not an int, an ``exclude`` that is not a list of strings, or a ``log_norm`` or
+            ``progress_bar`` that is not a bool.
+        ValueError: an unknown mode, a missing or non-positive threshold, a negative ``warmup_steps``, a ``decay``
+            outside (0, 1), or an option of another mode.
         MisconfigurationException: at ``setup``, if ``Trainer(gradient_clip_val=...)`` also clips.
 
     Example::
@@ -117,8 +126,7 @@ class GradientClipping(Callback):
         progress_bar: bool = True,
     ) -> None:
         owner = type(self).__name__
-        if mode not in CLIP_MODES:
-            raise ValueError(f"{owner}: mode must be one of {', '.join(map(repr, CLIP_MODES))}, got {mode!r}")
+        check_choice(owner, "mode", mode, CLIP_MODES)
         given = {
             "max_norm": max_norm,
             "clip_value": clip_value,
@@ -138,21 +146,19 @@ class GradientClipping(Callback):
             if value is None and default is None:
                 raise ValueError(f"{owner}(mode={mode!r}) needs {name}, a positive number")
             options[name] = default if value is None else value
-        _check_positive(owner, "norm_type", norm_type, allow_inf=True)
+        check_positive(owner, "norm_type", norm_type, allow_inf=True)
         for name in ("max_norm", "clip_value", "clip_factor", "eps", "z_threshold"):
             if name in options:
-                _check_positive(owner, name, options[name])
+                check_positive(owner, name, options[name])
         if "warmup_steps" in options:
-            steps = options["warmup_steps"]
-            if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-                raise ValueError(f"{owner}: warmup_steps must be an int >= 0, got {steps!r}")
-        if "decay" in options and not 0.0 < options["decay"] < 1.0:
-            raise ValueError(f"{owner}: decay must be between 0 and 1 (exclusive), got {options['decay']!r}")
-        if isinstance(exclude, str) or not all(isinstance(pattern, str) for pattern in exclude):
-            raise TypeError(f"{owner}: exclude must be a list of name patterns, got {exclude!r}")
+            check_int(owner, "warmup_steps", options["warmup_steps"], minimum=0)
+        if "decay" in options:
+            check_number(owner, "decay", options["decay"], 0, 1, min_inclusive=False, max_inclusive=False)
+        exclude = check_sequence(owner, "exclude", exclude, "name patterns", item_type=str)
         if exclude and mode != "agc":
             raise ValueError(f"{owner}: exclude belongs to mode='agc', not mode={mode!r}")
-        check_progress_bar(owner, progress_bar)
+        check_bool(owner, "log_norm", log_norm)
+        check_bool(owner, "progress_bar", progress_bar)
 
         self.mode = mode
         self.norm_type = float(norm_type)
@@ -260,10 +266,3 @@ class GradientClipping(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.mode == "zscore" and "statistics" in state_dict:
             self.statistics.load_state_dict(state_dict["statistics"])
-
-
-def _check_positive(owner: str, name: str, value: Any, allow_inf: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{owner}: {name} must be a positive number, got {value!r}")
-    if math.isnan(value) or value <= 0 or (math.isinf(value) and not allow_inf):
-        raise ValueError(f"{owner}: {name} must be a positive number, got {value!r}")

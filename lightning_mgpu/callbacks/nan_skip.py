@@ -14,12 +14,12 @@ from typing_extensions import override
 from lightning_mgpu.callbacks._amp import params_to_step
 from lightning_mgpu.callbacks._grad_norms import clear_gradient_norms, gradient_norms
 from lightning_mgpu.callbacks._logging import (
-    check_progress_bar,
     has_progress_bar,
     is_logging_step,
     show_in_progress_bar,
 )
 from lightning_mgpu.utilities.training_events import EventLog
+from lightning_mgpu.utilities.validation import check_bool, check_choice, check_int
 
 CheckTarget = Literal["loss", "grads", "both"]
 CHECK_TARGETS: tuple[str, ...] = get_args(CheckTarget)
@@ -82,8 +82,9 @@ class NaNSkip(Callback):
         progress_bar: show ``skipped`` in the progress bar.
 
     Raises:
-        ValueError: an unknown ``check`` or a ``max_consecutive`` that is not a positive int or None.
-        TypeError: a ``progress_bar`` that is not a bool.
+        TypeError: a ``check`` that is not a string, a ``max_consecutive`` that is not an int or None, or a
+            ``log_skipped`` or ``progress_bar`` that is not a bool.
+        ValueError: an unknown ``check`` or a ``max_consecutive`` below 1.
         NonFiniteStepsError: during ``fit``, see ``max_consecutive``.
 
     Example::
@@ -99,15 +100,10 @@ class NaNSkip(Callback):
         progress_bar: bool = True,
     ):
         owner = type(self).__name__
-        if check not in CHECK_TARGETS:
-            raise ValueError(f"{owner}: check must be one of {', '.join(map(repr, CHECK_TARGETS))}, got {check!r}")
-        if max_consecutive is not None and (
-            isinstance(max_consecutive, bool) or not isinstance(max_consecutive, int) or max_consecutive < 1
-        ):
-            raise ValueError(
-                f"{owner}: max_consecutive must be a positive int, got {max_consecutive!r}; use None for no limit"
-            )
-        check_progress_bar(owner, progress_bar)
+        check_choice(owner, "check", check, CHECK_TARGETS)
+        check_int(owner, "max_consecutive", max_consecutive, minimum=1, allow_none=True, hint="use None for no limit")
+        check_bool(owner, "log_skipped", log_skipped)
+        check_bool(owner, "progress_bar", progress_bar)
         self.check = check
         self.max_consecutive = max_consecutive
         self.log_skipped = log_skipped

@@ -7,7 +7,7 @@ import torch
 import torch.multiprocessing as mp
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
+from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
@@ -31,6 +31,8 @@ from lightning_mgpu.strategies.ddp import (
     TunableCommHook,
 )
 from lightning_mgpu.strategies.single_device import SingleDeviceStrategy
+from lightning_mgpu.utilities.devices import accelerator_name
+from lightning_mgpu.utilities.validation import check_choice
 
 _START_METHODS = {"ddp": "popen", "ddp_spawn": "spawn", "ddp_fork": "fork"}
 
@@ -88,10 +90,11 @@ class MultiGPUStrategy(DDPStrategy):
             ``DDPStrategy`` (see :class:`DDPStrategy`); under ``dict_kwargs:`` in a LightningCLI YAML config.
 
     Raises:
+        TypeError: a ``mode`` or DDP option of the wrong type, or a keyword argument that neither
+            ``DistributedDataParallel`` nor Lightning's ``DDPStrategy`` takes (the message names the closest valid
+            name).
         ValueError: an unknown ``mode`` or a bad DDP option (at construction); ``mode="dp"`` without CUDA or
             ``mode="single"`` with several devices (when the Trainer is built).
-        TypeError: a DDP option of the wrong type, or a keyword argument that neither ``DistributedDataParallel``
-            nor Lightning's ``DDPStrategy`` takes (the message names the closest valid name).
 
     Example::
 
@@ -125,8 +128,7 @@ class MultiGPUStrategy(DDPStrategy):
         precision_plugin: Precision | None = None,
         **kwargs: Any,
     ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"{type(self).__name__}: mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
+        check_choice(type(self).__name__, "mode", mode, MODES)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -169,7 +171,7 @@ class MultiGPUStrategy(DDPStrategy):
         env = self.cluster_environment
         external = env is not None and env.creates_processes_externally
         return LaunchContext(
-            accelerator=_accelerator_name(self.accelerator),
+            accelerator=accelerator_name(self.accelerator),
             num_devices=len(self.parallel_devices or []),
             num_nodes=self.num_nodes,
             external_launcher=type(env).__name__ if external else None,
@@ -196,11 +198,3 @@ class MultiGPUStrategy(DDPStrategy):
             self.__class__ = SingleDeviceStrategy  # type: ignore[assignment]
             SingleDeviceStrategy.__init__(self, device=devices[0], **plugins)
         self.choice = choice
-
-
-def _accelerator_name(accelerator: Accelerator | None) -> str:
-    if isinstance(accelerator, CUDAAccelerator):
-        return "cuda"
-    if isinstance(accelerator, CPUAccelerator):
-        return "cpu"
-    return type(accelerator).__name__.replace("Accelerator", "").lower() or "unknown"

@@ -3,10 +3,9 @@
 import difflib
 import functools
 import inspect
-import math
 import time
 from datetime import timedelta
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, get_args
 
 import lightning.pytorch as pl
 import torch
@@ -37,6 +36,7 @@ from lightning_mgpu.strategies.preemption import SigtermAgreement
 from lightning_mgpu.strategies.sync_batchnorm import DeviceAgnosticSyncBatchNorm
 from lightning_mgpu.utilities.comm_hooks import COMM_HOOK_NAMES, CommHookName, register_comm_hook
 from lightning_mgpu.utilities.distributed_batchnorm import has_batchnorm
+from lightning_mgpu.utilities.validation import check_bool, check_choice, check_int, check_positive
 
 SyncBatchNormSetting: TypeAlias = bool | Literal["auto"]
 StartMethod: TypeAlias = Literal["popen", "spawn", "fork", "forkserver"]
@@ -112,10 +112,12 @@ class DDPStrategy(LightningDDPStrategy):
             From a LightningCLI YAML config they go under ``dict_kwargs:`` next to ``init_args:``.
 
     Raises:
+        TypeError: an option of the wrong type (a non-bool flag, a non-int step count, a ``bucket_cap_mb`` that is
+            not a number, ``"auto"`` or None, a ``comm_hook``, ``sync_batchnorm`` or ``start_method`` of no allowed
+            type), or a keyword argument that neither ``DistributedDataParallel`` nor Lightning's ``DDPStrategy``
+            takes (the message names the closest valid name).
         ValueError: an option outside its allowed values, or ``comm_hook_candidates`` without
             ``comm_hook="auto"``.
-        TypeError: an option of the wrong type, or a keyword argument that neither ``DistributedDataParallel`` nor
-            Lightning's ``DDPStrategy`` takes (the message names the closest valid name).
 
     Example::
 
@@ -150,30 +152,25 @@ class DDPStrategy(LightningDDPStrategy):
     ) -> None:
         owner = type(self).__name__
         _check_ddp_kwargs(self, kwargs)
-        _check_sync_batchnorm(owner, sync_batchnorm)
-        _check_bucket_cap_mb(owner, bucket_cap_mb)
-        _check_int(owner, "bucket_tuning_steps", bucket_tuning_steps, minimum=MIN_BUCKET_TUNING_STEPS)
-        for name, value in (
-            ("gradient_as_bucket_view", gradient_as_bucket_view),
-            ("static_graph", static_graph),
-            ("find_unused_parameters", find_unused_parameters),
-        ):
-            if not isinstance(value, bool):
-                raise TypeError(f"{owner}: {name} must be True or False, got {value!r}")
-        if broadcast_buffers is not None and not isinstance(broadcast_buffers, bool):
-            raise TypeError(f"{owner}: broadcast_buffers must be True, False or None, got {broadcast_buffers!r}")
-        if comm_hook is not None and comm_hook not in (*COMM_HOOK_NAMES, "auto"):
-            raise ValueError(
-                f"{owner}: comm_hook must be None, 'auto' or one of {', '.join(map(repr, COMM_HOOK_NAMES))}, "
-                f"got {comm_hook!r}"
+        check_choice(owner, "sync_batchnorm", sync_batchnorm, (True, False, "auto"))
+        if bucket_cap_mb is not None and bucket_cap_mb != "auto":
+            check_positive(
+                owner,
+                "bucket_cap_mb",
+                bucket_cap_mb,
+                unit="MB",
+                hint="use None for torch's default (25) or 'auto' to time sizes on the first steps",
             )
+        check_int(owner, "bucket_tuning_steps", bucket_tuning_steps, minimum=MIN_BUCKET_TUNING_STEPS)
+        check_bool(owner, "gradient_as_bucket_view", gradient_as_bucket_view)
+        check_bool(owner, "static_graph", static_graph)
+        check_bool(owner, "find_unused_parameters", find_unused_parameters)
+        check_bool(owner, "broadcast_buffers", broadcast_buffers, allow_none=True)
+        check_choice(owner, "comm_hook", comm_hook, (None, "auto", *COMM_HOOK_NAMES))
         hook_candidates = _check_comm_hook_candidates(owner, comm_hook, comm_hook_candidates, kwargs)
-        _check_int(owner, "powersgd_rank", powersgd_rank, minimum=1)
-        _check_int(owner, "powersgd_warmup_steps", powersgd_warmup_steps, minimum=0)
-        if start_method not in ("popen", "spawn", "fork", "forkserver"):
-            raise ValueError(
-                f"{owner}: start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}"
-            )
+        check_int(owner, "powersgd_rank", powersgd_rank, minimum=1)
+        check_int(owner, "powersgd_warmup_steps", powersgd_warmup_steps, minimum=0)
+        check_choice(owner, "start_method", start_method, get_args(StartMethod))
         ddp_kwargs = dict(
             kwargs,
             gradient_as_bucket_view=gradient_as_bucket_view,
@@ -528,23 +525,6 @@ def _check_ddp_kwargs(strategy: LightningDDPStrategy, kwargs: dict[str, Any]) ->
         )
 
 
-def _check_sync_batchnorm(owner: str, value: Any) -> None:
-    if not (isinstance(value, bool) or value == "auto"):
-        raise ValueError(f"{owner}: sync_batchnorm must be True, False or 'auto', got {value!r}")
-
-
-def _check_bucket_cap_mb(owner: str, value: Any) -> None:
-    if value is None or value == "auto":
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{owner}: bucket_cap_mb must be a positive number of MB, 'auto' or None, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(
-            f"{owner}: bucket_cap_mb must be a positive number of MB, got {value!r}; use None for torch's default "
-            "(25) or 'auto' to time sizes on the first steps"
-        )
-
-
 def _check_comm_hook_candidates(owner: str, comm_hook: Any, candidates: Any, ddp_kwargs: dict) -> tuple[str, ...]:
     allowed = ", ".join(map(repr, TUNABLE_COMM_HOOKS))
     if comm_hook != "auto":
@@ -573,10 +553,3 @@ def _check_comm_hook_candidates(owner: str, comm_hook: Any, candidates: Any, ddp
             )
         raise ValueError(message)
     return tuple(dict.fromkeys(candidates))
-
-
-def _check_int(owner: str, name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{owner}: {name} must be an int >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{owner}: {name} must be an int >= {minimum}, got {value!r}")

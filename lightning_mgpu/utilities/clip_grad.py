@@ -10,6 +10,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lightning_mgpu.utilities.validation import check_number
+
 
 def total_grad_norm(grads: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
     """The norm of all ``grads`` taken together, as one 0-dim tensor on their device, in fp32 or wider.
@@ -124,6 +126,10 @@ class GradNormStatistics:
     Args:
         decay: weight of the past in the moving average, in (0, 1).
 
+    Raises:
+        TypeError: a ``decay`` that is not a number.
+        ValueError: a ``decay`` outside (0, 1).
+
     Example::
 
         >>> stats = GradNormStatistics(decay=0.9)
@@ -134,6 +140,7 @@ class GradNormStatistics:
     """
 
     def __init__(self, decay: float = 0.97) -> None:
+        check_number(type(self).__name__, "decay", decay, 0.0, 1.0, min_inclusive=False, max_inclusive=False)
         self.decay = decay
         self.count = torch.zeros((), dtype=torch.long)
         self.mean = torch.zeros(())

@@ -9,6 +9,8 @@ from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook, fp16_compress_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_mgpu.utilities.validation import check_choice, check_int, check_positive
+
 CommHookName = Literal["fp16", "bf16", "powersgd"]
 COMM_HOOK_NAMES: tuple[str, ...] = ("fp16", "bf16", "powersgd")
 
@@ -58,6 +60,7 @@ class PowerSGDState:
         seed: seeds the initial Q matrices, which must be identical on every process.
 
     Raises:
+        TypeError: If ``rank``, ``warmup_steps`` or ``seed`` is not an int, or ``min_compression_rate`` not a number.
         ValueError: If ``rank``, ``warmup_steps``, ``min_compression_rate`` or ``seed`` is out of range.
 
     Example::
@@ -79,12 +82,11 @@ class PowerSGDState:
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
-        _check_int(self.rank, "rank", 1, owner)
-        _check_int(self.warmup_steps, "warmup_steps", 0, owner)
-        _check_int(self.seed, "seed", 0, owner)
-        rate = self.min_compression_rate
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
-            raise ValueError(f"{owner}: min_compression_rate must be a positive number, got {rate!r}")
+        check_int(owner, "rank", self.rank, minimum=1)
+        check_int(owner, "warmup_steps", self.warmup_steps, minimum=0)
+        check_int(owner, "seed", self.seed, minimum=0)
+        # inf stays allowed, as before: then no matrix pays for compression and every gradient goes exact
+        check_positive(owner, "min_compression_rate", self.min_compression_rate, allow_inf=True)
 
 
 def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
@@ -144,8 +146,9 @@ def register_comm_hook(
         process_group: the group to reduce over; ``None`` for the default group.
 
     Raises:
-        TypeError: If ``model`` is not a ``DistributedDataParallel``.
-        ValueError: If ``name``, ``powersgd_rank`` or ``powersgd_warmup_steps`` is not allowed.
+        TypeError: If ``model`` is not a ``DistributedDataParallel``, ``name`` not a string, or ``powersgd_rank`` or
+            ``powersgd_warmup_steps`` not an int.
+        ValueError: If ``name`` is unknown, or ``powersgd_rank`` or ``powersgd_warmup_steps`` is out of range.
 
     Example::
 
@@ -153,10 +156,9 @@ def register_comm_hook(
         register_comm_hook(ddp_model, "powersgd", powersgd_rank=2, powersgd_warmup_steps=500)
     """
     owner = "register_comm_hook"
-    if name not in COMM_HOOK_NAMES:
-        raise ValueError(f"{owner}: name must be one of {COMM_HOOK_NAMES}, got {name!r}")
-    _check_int(powersgd_rank, "powersgd_rank", 1, owner)
-    _check_int(powersgd_warmup_steps, "powersgd_warmup_steps", 0, owner)
+    check_choice(owner, "name", name, COMM_HOOK_NAMES)
+    check_int(owner, "powersgd_rank", powersgd_rank, minimum=1)
+    check_int(owner, "powersgd_warmup_steps", powersgd_warmup_steps, minimum=0)
     if not isinstance(model, DistributedDataParallel):
         raise TypeError(f"{owner}: model must be a DistributedDataParallel, got {type(model).__name__}")
     if name == "powersgd":
@@ -165,11 +167,6 @@ def register_comm_hook(
     else:
         hook = fp16_compress_hook if name == "fp16" else _bf16_compress_hook
         model.register_comm_hook(process_group, hook)
-
-
-def _check_int(value: Any, name: str, minimum: int, owner: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{owner}: {name} must be an int >= {minimum}, got {value!r}")
 
 
 def _bf16_compress_hook(process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:

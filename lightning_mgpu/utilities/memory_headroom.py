@@ -4,6 +4,7 @@ import threading
 from collections.abc import Callable
 
 from lightning_mgpu.utilities.memory_sampler import MemorySample
+from lightning_mgpu.utilities.validation import check_int, check_number
 
 
 class HeadroomWatch:
@@ -19,6 +20,10 @@ class HeadroomWatch:
         warn: called with the message, once per device and cause.
         rank: the process's global rank, named in the message.
 
+    Raises:
+        TypeError: a ``threshold_mb`` that is not a number or None, or a ``rank`` that is not an int.
+        ValueError: a negative or non-finite ``threshold_mb``, or a negative ``rank``.
+
     Example::
 
         watch = HeadroomWatch(threshold_mb=2048, warn=warnings.warn)
@@ -26,6 +31,9 @@ class HeadroomWatch:
     """
 
     def __init__(self, threshold_mb: float | None, warn: Callable[[str], None], rank: int = 0) -> None:
+        owner = type(self).__name__
+        check_number(owner, "threshold_mb", threshold_mb, minimum=0, allow_none=True, unit="MiB")
+        check_int(owner, "rank", rank, minimum=0)
         self.threshold_mb = threshold_mb
         self.warn = warn
         self.rank = rank

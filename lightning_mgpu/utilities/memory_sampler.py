@@ -17,6 +17,7 @@ import torch
 
 from lightning_mgpu.utilities.host_memory import MIB, host_available_mb, process_rss_mb
 from lightning_mgpu.utilities.nvml import NVMLDevice, NVMLSession
+from lightning_mgpu.utilities.validation import check_bool, check_positive
 
 GPU_METRICS: tuple[str, ...] = (
     "allocated_mb",
@@ -123,6 +124,10 @@ class MemorySampler:
             of the window; this also resets what ``torch.cuda.max_memory_allocated`` reports.
         warn: receives a message when a read or a listener fails (once per cause); default ``warnings.warn``.
 
+    Raises:
+        TypeError: an ``hz`` that is not a number, or a ``track_peak`` that is not a bool.
+        ValueError: an ``hz`` that is not positive and finite.
+
     Example::
 
         sampler = MemorySampler([], NVMLSession(), hz=2.0, step=lambda: 0)
@@ -142,6 +147,9 @@ class MemorySampler:
         track_peak: bool = True,
         warn: Callable[[str], None] | None = None,
     ) -> None:
+        owner = type(self).__name__
+        check_positive(owner, "hz", hz, unit="samples per second")
+        check_bool(owner, "track_peak", track_peak)
         self.gpus = list(gpus)
         self.keys = metric_keys(self.gpus)
         self.nvml = nvml

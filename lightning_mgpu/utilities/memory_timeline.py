@@ -9,6 +9,7 @@ from pathlib import Path
 
 from lightning_mgpu.utilities.memory_sampler import MemorySample
 from lightning_mgpu.utilities.training_events import TrainingEvent, events_path, read_events
+from lightning_mgpu.utilities.validation import check_int
 
 _FIXED_COLUMNS = ("time_s", "step", "stage")
 
@@ -24,6 +25,10 @@ class MemoryTimeline:
         keys: the sampler's metric keys, in column order.
         flush_every: samples between flushes.
 
+    Raises:
+        TypeError: a ``flush_every`` that is not an int.
+        ValueError: a ``flush_every`` below 1.
+
     Example::
 
         timeline = MemoryTimeline("logs/memory_rank0.csv", sampler.keys)
@@ -31,6 +36,7 @@ class MemoryTimeline:
     """
 
     def __init__(self, path: str | Path, keys: Sequence[str], flush_every: int = 16) -> None:
+        check_int(type(self).__name__, "flush_every", flush_every, minimum=1)
         self.path = Path(path)
         self.keys = list(keys)
         self.flush_every = flush_every

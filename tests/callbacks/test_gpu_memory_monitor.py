@@ -55,22 +55,35 @@ def read_metrics(log_dir: Path) -> list[dict[str, str]]:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("kwargs", "error", "match"),
     [
-        ({"sample_hz": 0}, r"sample_hz must be a number in \(0, 100\].*got 0"),
-        ({"sample_hz": 1000}, r"sample_hz .* got 1000"),
-        ({"sample_hz": True}, r"sample_hz .* got True"),
-        ({"warn_headroom_mb": -1}, r"warn_headroom_mb must be a non-negative number of MiB, got -1; use None"),
-        ({"warn_headroom_mb": float("nan")}, r"warn_headroom_mb must be a non-negative number of MiB, got nan"),
-        ({"log_prefix": ""}, r"log_prefix must be a non-empty string, got ''"),
-        ({"metrics": ["allocated"]}, r"metrics must be a non-empty list of allocated_mb, .* got \['allocated'\]"),
-        ({"metrics": []}, r"metrics must be a non-empty list"),
-        ({"prometheus_port": 70000}, r"prometheus_port must be an int in 0-65535, got 70000"),
-        ({"prometheus_port": "9400"}, r"prometheus_port must be an int in 0-65535 .*got '9400'"),
+        ({"sample_hz": 0}, ValueError, r"sample_hz must be a number of samples per second in \(0, 100\], got 0$"),
+        ({"sample_hz": 1000}, ValueError, r"sample_hz .* got 1000"),
+        ({"sample_hz": True}, TypeError, r"sample_hz .* got True"),
+        (
+            {"warn_headroom_mb": -1},
+            ValueError,
+            r"warn_headroom_mb must be a non-negative number of MiB or None, got -1; use None",
+        ),
+        ({"warn_headroom_mb": float("nan")}, ValueError, r"warn_headroom_mb must be a non-negative number .*got nan"),
+        ({"warn_headroom_mb": "2048"}, TypeError, r"warn_headroom_mb must be a non-negative number .*got '2048'"),
+        ({"log_prefix": ""}, ValueError, r"log_prefix must be a non-empty string, got ''"),
+        ({"log_prefix": None}, TypeError, r"log_prefix must be a non-empty string, got None"),
+        (
+            {"metrics": ["allocated"]},
+            ValueError,
+            r"metrics must be a non-empty list of metric names from 'allocated_mb', .* got \['allocated'\]; "
+            r"'allocated' is not among them",
+        ),
+        ({"metrics": []}, ValueError, r"metrics must be a non-empty list"),
+        ({"metrics": "headroom_mb"}, TypeError, r"metrics must be a non-empty list .*got 'headroom_mb'"),
+        ({"prometheus_port": 70000}, ValueError, r"prometheus_port must be an int >= 0 and <= 65535 .*got 70000"),
+        ({"prometheus_port": "9400"}, TypeError, r"prometheus_port must be an int >= 0 and <= 65535 .*got '9400'"),
+        ({"track_peak": None}, TypeError, r"track_peak must be True or False, got None"),
     ],
 )
-def test_bad_arguments_are_named_at_construction(kwargs, match):
-    with pytest.raises(ValueError, match="GPUMemoryMonitor: " + match):
+def test_bad_arguments_are_named_at_construction(kwargs, error, match):
+    with pytest.raises(error, match="^GPUMemoryMonitor: " + match):
         GPUMemoryMonitor(**kwargs)
 
 

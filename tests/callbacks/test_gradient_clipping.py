@@ -119,9 +119,17 @@ def test_conflict_with_trainer_clipping_is_named_at_setup():
         ({"mode": "agc", "clip_factor": 0.0}, ValueError, r"clip_factor must be a positive number, got 0.0"),
         ({"mode": "zscore", "z_threshold": -2}, ValueError, r"z_threshold must be a positive number, got -2"),
         ({"mode": "zscore", "warmup_steps": -1}, ValueError, r"warmup_steps must be an int >= 0, got -1"),
-        ({"mode": "zscore", "decay": 1.0}, ValueError, r"decay must be between 0 and 1"),
+        ({"mode": "zscore", "warmup_steps": 2.0}, TypeError, r"warmup_steps must be an int >= 0, got 2.0"),
+        ({"mode": "zscore", "decay": 1.0}, ValueError, r"decay must be a number in \(0, 1\), got 1.0"),
+        ({"mode": "zscore", "decay": "0.9"}, TypeError, r"decay must be a number in \(0, 1\), got '0.9'"),
+        ({"mode": None}, TypeError, r"mode must be one of 'norm', 'value', 'agc', 'zscore', got None"),
         ({"mode": "norm", "max_norm": 1.0, "exclude": ["fc.*"]}, ValueError, r"exclude belongs to mode='agc'"),
         ({"mode": "agc", "exclude": "fc.*"}, TypeError, r"exclude must be a list of name patterns"),
+        (
+            {"mode": "agc", "exclude": ["fc.*", 0]},
+            TypeError,
+            r"exclude must be .*, got \['fc.\*', 0\]; 0 is of type int$",
+        ),
         ({"mode": "norm", "max_norm": 1.0, "norm_type": 0}, ValueError, r"norm_type must be a positive number"),
     ],
 )

@@ -144,16 +144,22 @@ def test_same_result_in_either_order_with_gradient_clipping(tmp_path, order):
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "pattern"),
+    ("kwargs", "error", "pattern"),
     [
-        ({"check": "weights"}, r"check must be one of 'loss', 'grads', 'both', got 'weights'"),
-        ({"max_consecutive": 0}, r"max_consecutive must be a positive int, got 0; use None for no limit"),
-        ({"max_consecutive": 2.5}, r"max_consecutive must be a positive int, got 2.5"),
-        ({"max_consecutive": True}, r"max_consecutive must be a positive int, got True"),
+        ({"check": "weights"}, ValueError, r"check must be one of 'loss', 'grads', 'both', got 'weights'"),
+        ({"check": None}, TypeError, r"check must be one of 'loss', 'grads', 'both', got None"),
+        (
+            {"max_consecutive": 0},
+            ValueError,
+            r"max_consecutive must be an int >= 1 or None, got 0; use None for no limit",
+        ),
+        ({"max_consecutive": 2.5}, TypeError, r"max_consecutive must be an int >= 1 or None, got 2.5; use None"),
+        ({"max_consecutive": True}, TypeError, r"max_consecutive must be an int >= 1 or None, got True"),
+        ({"log_skipped": 1}, TypeError, r"log_skipped must be True or False, got 1"),
     ],
 )
-def test_bad_input_is_named_at_construction(kwargs, pattern):
-    with pytest.raises(ValueError, match=pattern):
+def test_bad_input_is_named_at_construction(kwargs, error, pattern):
+    with pytest.raises(error, match="^NaNSkip: " + pattern):
         NaNSkip(**kwargs)
 
 

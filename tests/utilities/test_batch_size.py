@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_mgpu.utilities import batch_size
+from lightning_mgpu.utilities import devices
 from lightning_mgpu.utilities.batch_size import count_processes, per_device_batch_size
 
 
@@ -11,7 +11,7 @@ def gpus(monkeypatch):
     """Pretend torch sees ``n`` CUDA GPUs (counting them never initialises CUDA, so this is what the code reads)."""
 
     def set_count(n: int) -> None:
-        monkeypatch.setattr(batch_size, "num_cuda_devices", lambda: n)
+        monkeypatch.setattr(devices, "num_cuda_devices", lambda: n)
 
     return set_count
 

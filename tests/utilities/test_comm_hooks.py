@@ -272,37 +272,43 @@ def test_powersgd_trains_many_buckets_in_lockstep(powersgd_training, as_view):
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "parameter"),
+    ("kwargs", "error", "parameter"),
     [
-        ({"rank": 0}, "rank"),
-        ({"rank": 1.5}, "rank"),
-        ({"warmup_steps": -1}, "warmup_steps"),
-        ({"min_compression_rate": 0.0}, "min_compression_rate"),
-        ({"seed": -3}, "seed"),
+        ({"rank": 0}, ValueError, "rank"),
+        ({"rank": 1.5}, TypeError, "rank"),
+        ({"warmup_steps": -1}, ValueError, "warmup_steps"),
+        ({"min_compression_rate": 0.0}, ValueError, "min_compression_rate"),
+        ({"min_compression_rate": "2"}, TypeError, "min_compression_rate"),
+        ({"seed": -3}, ValueError, "seed"),
     ],
 )
-def test_powersgd_state_rejects_bad_values(kwargs, parameter):
+def test_powersgd_state_rejects_bad_values(kwargs, error, parameter):
     (value,) = kwargs.values()
-    with pytest.raises(ValueError, match=rf"PowerSGDState: {parameter} must be .*got {value}"):
+    with pytest.raises(error, match=rf"^PowerSGDState: {parameter} must be .*got {value!r}$"):
         PowerSGDState(**kwargs)
 
 
+def test_powersgd_state_accepts_an_infinite_compression_rate():
+    assert PowerSGDState(min_compression_rate=float("inf")).min_compression_rate == float("inf")
+
+
 @pytest.mark.parametrize(
-    ("kwargs", "parameter", "value"),
+    ("kwargs", "error", "parameter", "value"),
     [
-        ({"name": "int8"}, "name", "'int8'"),
-        ({"name": "powersgd", "powersgd_rank": 0}, "powersgd_rank", "0"),
-        ({"name": "powersgd", "powersgd_warmup_steps": -1}, "powersgd_warmup_steps", "-1"),
-        ({"name": "fp16", "powersgd_rank": True}, "powersgd_rank", "True"),
+        ({"name": "int8"}, ValueError, "name", "'int8'"),
+        ({"name": 16}, TypeError, "name", "16"),
+        ({"name": "powersgd", "powersgd_rank": 0}, ValueError, "powersgd_rank", "0"),
+        ({"name": "powersgd", "powersgd_warmup_steps": -1}, ValueError, "powersgd_warmup_steps", "-1"),
+        ({"name": "fp16", "powersgd_rank": True}, TypeError, "powersgd_rank", "True"),
     ],
 )
-def test_register_comm_hook_rejects_bad_values(kwargs, parameter, value):
-    with pytest.raises(ValueError, match=rf"register_comm_hook: {parameter} must be .*got {value}"):
+def test_register_comm_hook_rejects_bad_values(kwargs, error, parameter, value):
+    with pytest.raises(error, match=rf"^register_comm_hook: {parameter} must be .*got {value}$"):
         register_comm_hook(nn.Linear(2, 2), **kwargs)
 
 
 def test_register_comm_hook_error_lists_the_allowed_names():
-    with pytest.raises(ValueError, match=r"one of \('fp16', 'bf16', 'powersgd'\)"):
+    with pytest.raises(ValueError, match=r"one of 'fp16', 'bf16', 'powersgd', got 'fp32'$"):
         register_comm_hook(nn.Linear(2, 2), "fp32")
 
 

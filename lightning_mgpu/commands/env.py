@@ -1,4 +1,4 @@
-"""What a multi-GPU run depends on, as text: ``python -m lightning_mgpu env``.
+"""``python -m lightning_mgpu env``: what a multi-GPU run depends on, as text.
 
 Nothing here initialises CUDA: device counts come from ``torch.cuda.device_count()`` (NVML-based once Lightning is
 imported), GPUs from NVML, and the UUIDs CUDA reports only when CUDA was already initialised by someone else.
@@ -21,6 +21,7 @@ from lightning_mgpu.strategies.choice import (
     cuda_is_initialized,
     is_interactive,
 )
+from lightning_mgpu.utilities.devices import accelerator_name, devices_per_node, is_positive_int
 from lightning_mgpu.utilities.nvml import NVMLDevice, NVMLSession, torch_device_uuid
 
 AcceleratorFlag = Literal["auto", "cpu", "cuda", "gpu"]
@@ -323,24 +324,11 @@ def strategy_lines(context: LaunchContext | str, notes: list[str]) -> list[str]:
 
 
 def _count_devices(accelerator: str, devices: int | str, num_nodes: int) -> tuple[str, int]:
-    if num_nodes < 1:
-        raise ValueError(f"num_nodes must be a positive int, got {num_nodes}")
-    if devices != "auto" and (not isinstance(devices, int) or devices == 0 or devices < -1):
-        raise ValueError(f"devices must be a positive int, -1 or 'auto', got {devices!r}")
-    name = _accelerator_name(accelerator)
-    if name == "cuda":
-        return name, visible_cuda_devices() if devices in ("auto", -1) else int(devices)
-    if devices == -1:
-        raise ValueError("devices=-1 means every GPU; with accelerator='cpu' give a number of processes instead")
-    return name, 1 if devices == "auto" else int(devices)
-
-
-def _accelerator_name(accelerator: str) -> str:
     if accelerator not in ACCELERATORS:
         raise ValueError(f"accelerator must be one of {', '.join(map(repr, ACCELERATORS))}, got {accelerator!r}")
-    if accelerator == "auto":
-        return "cuda" if visible_cuda_devices() > 0 else "cpu"
-    return "cuda" if accelerator == "gpu" else accelerator
+    if not is_positive_int(num_nodes):
+        raise ValueError(f"num_nodes must be an int >= 1, got {num_nodes!r}")
+    return accelerator_name(accelerator), devices_per_node(devices, accelerator)
 
 
 def _describe_device(device: NVMLDevice | None) -> str:
