@@ -14,13 +14,16 @@ One batch, on every rank:
    rank that failed recomputes the samples it had not finished, in smaller micro-batches. Rounds repeat until no
    rank retries.
 3. The gradients are averaged across ranks once, in buckets, as DDP would have done during the backward.
+
+The sizes come from a :class:`~lightning_mgpu.utilities.micro_batch_policy.MicroBatchSizePolicy`, told only what
+every rank agreed on; the callback prints, records and words the errors (:class:`BackoffReporter`).
 """
 
 import contextlib
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
 import torch
@@ -36,11 +39,9 @@ from lightning_mgpu.callbacks._step_logs import LoggedCall, capture_logs, replay
 from lightning_mgpu.utilities.batch_split import batch_size_of, combine_outputs, slice_batch, split_batch
 from lightning_mgpu.utilities.grad_allreduce import DEFAULT_BUCKET_BYTES, average_gradients
 from lightning_mgpu.utilities.host_group import host_side_group
+from lightning_mgpu.utilities.micro_batch_policy import MicroBatchSizePolicy
 from lightning_mgpu.utilities.oom import is_out_of_memory, release_memory
 from lightning_mgpu.utilities.step_rollback import StepRollback
-
-if TYPE_CHECKING:
-    from lightning_mgpu.callbacks.oom_backoff import OOMBackoff
 
 # a local out-of-memory error that a smaller micro-batch may fix
 RECOVERABLE_OOM = -1
@@ -62,6 +63,22 @@ class _Piece:
         self.samples, self.loss, self.extra, self.logs = samples, loss, extra, logs
 
 
+class BackoffReporter(Protocol):
+    """What the runner tells the callback that owns it (:class:`OOMBackoff`), and the messages it asks it for."""
+
+    def report_backoff(self, old: int, new: int, oom_rank: int, total: int, probe: bool) -> None:
+        """Print and record a backoff the policy adopted; called on every rank with the same arguments."""
+
+    def report_probe_success(self, size: int) -> None:
+        """Print that a probe upwards to ``size`` samples did not run out of memory."""
+
+    def floor_message(self, rank: int, size: int, total: int, description: str) -> str:
+        """The error for an out-of-memory error at the smallest micro-batch size."""
+
+    def optimizer_step_message(self, rank: int, description: str) -> str:
+        """The error for an out-of-memory error inside the optimizer step."""
+
+
 class _LocalFailure:
     """Why this rank's attempt stopped: an out-of-memory error to retry, or an error to stop on."""
 
@@ -73,12 +90,19 @@ class MicroBatchTrainer:
     """Runs one training batch as micro-batches for :class:`OOMBackoff`, agreeing with the other ranks.
 
     Args:
-        backoff: the callback, which owns the micro-batch size and the messages.
         trainer: the trainer, after the strategy wrapped the model.
+        policy: chooses the micro-batch sizes; told every backoff the ranks agreed on.
+        reporter: the callback, which prints and records backoffs and words the errors.
+        loss_reduction: ``"mean"`` if the loss is a mean over the batch's samples, ``"sum"`` if it is a sum.
     """
 
-    def __init__(self, backoff: "OOMBackoff", trainer: "pl.Trainer") -> None:
-        self.backoff = backoff
+    def __init__(
+        self, trainer: "pl.Trainer", policy: MicroBatchSizePolicy, reporter: BackoffReporter, loss_reduction: str
+    ) -> None:
+        self.policy = policy
+        self.reporter = reporter
+        self.loss_reduction = loss_reduction
+        self.owner = type(reporter).__name__
         self.trainer = trainer
         self.pl_module = trainer.lightning_module
         strategy = trainer.strategy
@@ -95,7 +119,7 @@ class MicroBatchTrainer:
 
     # ---------------------------------------------------------------------------------------------- one batch
     def run_batch(
-        self, loop: "_BackoffOptimization", kwargs: OrderedDict, optimizer: Optimizer, batch_idx: int
+        self, loop: "BackoffOptimization", kwargs: OrderedDict, optimizer: Optimizer, batch_idx: int
     ) -> ClosureResult:
         """Train on the batch in ``kwargs``; return what Lightning's closure would have returned."""
         batch = kwargs["batch"]
@@ -118,7 +142,7 @@ class MicroBatchTrainer:
         if zero_grad_fn is not None:
             zero_grad_fn()
 
-        size, probing = self.backoff._size_for_batch(total)
+        size = self.policy.start_batch(total)
         pending = split_batch(batch, size) if splittable else [(batch, 1)]
         done: list[_Piece] = []
         while True:
@@ -129,7 +153,7 @@ class MicroBatchTrainer:
                 failure = self._train_pieces(loop, kwargs, pending, total, backward_fn, done)
             proposal = _NO_PROPOSAL
             if failure is not None and failure.kind == RECOVERABLE_OOM:
-                smaller = self.backoff._smaller_size(size, probing) if splittable else None
+                smaller = self.policy.smaller_size(size) if splittable else None
                 if smaller is None:
                     failure.kind = OOM_AT_FLOOR
                 else:
@@ -139,12 +163,16 @@ class MicroBatchTrainer:
                 self._fail(failure, agreed, size, total)
             if agreed["oom_rank"] is None:
                 break
-            self.backoff._backed_off(size, agreed["size"], agreed["oom_rank"], total, probing)
-            size, probing = agreed["size"], False
+            probing = self.policy.probing
+            self.policy.back_off(agreed["size"])
+            self.reporter.report_backoff(size, agreed["size"], agreed["oom_rank"], total, probing)
+            size = agreed["size"]
             finished = sum(piece.samples for piece in done)
             pending = split_batch(slice_batch(batch, finished, total), size) if finished < total else []
 
-        self.backoff._batch_succeeded(probing)
+        probed = self.policy.batch_succeeded()
+        if probed is not None:
+            self.reporter.report_probe_success(probed)
         logs = [call for piece in done for call in piece.logs]
         replay_logs(self.pl_module, logs, "training_step")
         if reduce_now:
@@ -162,7 +190,7 @@ class MicroBatchTrainer:
 
     def _train_pieces(
         self,
-        loop: "_BackoffOptimization",
+        loop: "BackoffOptimization",
         kwargs: OrderedDict,
         pending: list[tuple[Any, int]],
         total: int,
@@ -182,7 +210,7 @@ class MicroBatchTrainer:
 
     def _train_piece(
         self,
-        loop: "_BackoffOptimization",
+        loop: "BackoffOptimization",
         kwargs: OrderedDict,
         pending_piece: tuple[Any, int],
         total: int,
@@ -190,7 +218,7 @@ class MicroBatchTrainer:
         done: list[_Piece],
     ) -> _LocalFailure | None:
         piece, samples = pending_piece
-        weight = samples / total if self.backoff.loss_reduction == "mean" else 1.0
+        weight = samples / total if self.loss_reduction == "mean" else 1.0
         logs: list[LoggedCall] = []
         saved = stashing = False
         stashed = None
@@ -251,7 +279,7 @@ class MicroBatchTrainer:
             # a real error of this rank's training step: re-raise it as it is
             raise failure.error
         if failure is not None and failure.kind == OOM_AT_FLOOR:
-            raise OOMRecoveryError(self.backoff._floor_message(self.rank, size, total, failure.description))
+            raise OOMRecoveryError(self.reporter.floor_message(self.rank, size, total, failure.description))
         if failure is not None and failure.kind == OPTIMIZER_STEP_OOM:
             raise OOMRecoveryError(failure.description)
         rank, kind = agreed["fatal_rank"], agreed["fatal_kind"]
@@ -260,7 +288,7 @@ class MicroBatchTrainer:
             OPTIMIZER_STEP_OOM: "ran out of memory inside the optimizer step",
             OTHER_ERROR: "raised an error that is not an out-of-memory error (see that rank's traceback)",
         }[kind]
-        raise OOMRecoveryError(f"{type(self.backoff).__name__}: rank {rank} {reason}; every rank stops.")
+        raise OOMRecoveryError(f"{self.owner}: rank {rank} {reason}; every rank stops.")
 
     def check_peers(self, where: str) -> None:
         """Raise on every rank if a rank's optimizer step ran out of memory earlier. Collective."""
@@ -276,8 +304,7 @@ class MicroBatchTrainer:
         if failed:
             raise OOMRecoveryError(self.pending_failure)
         raise OOMRecoveryError(
-            f"{type(self.backoff).__name__}: rank {rank} ran out of memory inside the optimizer step; "
-            f"every rank stops {where}."
+            f"{self.owner}: rank {rank} ran out of memory inside the optimizer step; every rank stops {where}."
         )
 
     def close(self) -> None:
@@ -357,7 +384,7 @@ def _first_line(error: BaseException) -> str:
 class _MicroBatchClosure(AbstractClosure[ClosureResult]):
     """The closure the optimizer calls: one batch, as micro-batches, agreed on every rank."""
 
-    def __init__(self, loop: "_BackoffOptimization", kwargs: OrderedDict, optimizer: Optimizer, batch_idx: int):
+    def __init__(self, loop: "BackoffOptimization", kwargs: OrderedDict, optimizer: Optimizer, batch_idx: int):
         super().__init__()
         self.loop, self.kwargs, self.optimizer, self.batch_idx = loop, kwargs, optimizer, batch_idx
         self.finished = False
@@ -375,7 +402,7 @@ class _MicroBatchClosure(AbstractClosure[ClosureResult]):
         return self._result.loss
 
 
-class _BackoffOptimization(_AutomaticOptimization):
+class BackoffOptimization(_AutomaticOptimization):
     """Lightning's automatic optimization with the micro-batching closure and a guarded optimizer step."""
 
     def __init__(self, trainer: "pl.Trainer", runner: MicroBatchTrainer, replaced: _AutomaticOptimization) -> None:
@@ -398,7 +425,7 @@ class _BackoffOptimization(_AutomaticOptimization):
             closure = train_step_and_backward_closure
             if not (isinstance(closure, _MicroBatchClosure) and closure.finished and is_out_of_memory(err)):
                 raise
-            message = self.runner.backoff._optimizer_step_message(self.runner.rank, _first_line(err))
+            message = self.runner.reporter.optimizer_step_message(self.runner.rank, _first_line(err))
             if self.runner.world_size == 1:
                 raise OOMRecoveryError(message) from err
             # other ranks may have stepped already. This rank counts the step as done, so that it follows exactly

@@ -12,15 +12,17 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.modules.batchnorm import SyncBatchNorm
 from typing_extensions import override
 
-from lightning_mgpu.callbacks._logging import check_progress_bar, has_progress_bar, show_in_progress_bar
-from lightning_mgpu.callbacks._oom_training import MicroBatchTrainer, OOMRecoveryError, _BackoffOptimization
+from lightning_mgpu.callbacks._logging import has_progress_bar, show_in_progress_bar
+from lightning_mgpu.callbacks._oom_training import BackoffOptimization, MicroBatchTrainer, OOMRecoveryError
 from lightning_mgpu.callbacks._step_logs import LoggedCall, capture_logs, replay_logs
 from lightning_mgpu.strategies.ddp import DDPStrategy
 from lightning_mgpu.utilities.batch_split import batch_size_of, combine_outputs, split_batch
 from lightning_mgpu.utilities.distributed_batchnorm import DistributedBatchNorm
+from lightning_mgpu.utilities.micro_batch_policy import MicroBatchSizePolicy
 from lightning_mgpu.utilities.oom import is_out_of_memory, memory_summary, release_memory
 from lightning_mgpu.utilities.step_rollback import StepRollback
 from lightning_mgpu.utilities.training_events import EventLog
+from lightning_mgpu.utilities.validation import check_bool, check_choice, check_int
 
 LossReduction = Literal["mean", "sum"]
 LOSS_REDUCTIONS: tuple[str, ...] = get_args(LossReduction)
@@ -86,6 +88,9 @@ class OOMBackoff(Callback):
     back to it. Shown from the end of the first training batch, and refreshed at the end of the batch where it
     changes only: a host-side number, no device read. It is not sent to the loggers.
 
+    The sizes are chosen by a :class:`~lightning_mgpu.utilities.micro_batch_policy.MicroBatchSizePolicy`
+    (:attr:`policy`); this callback wires it into the Trainer.
+
     Args:
         min_micro_batch_size: the smallest micro-batch to back off to; an OOM at this size is not recovered.
         keep_effective_batch: ``True`` keeps the batch the optimizer sees through accumulation. ``False`` instead
@@ -102,10 +107,11 @@ class OOMBackoff(Callback):
         progress_bar: show ``micro_bs`` in the progress bar.
 
     Raises:
-        TypeError: a ``min_micro_batch_size`` that is not an int, or a ``progress_bar`` that is not a bool.
-        ValueError: a ``min_micro_batch_size`` below 1, a ``probe_up_after`` that is not a positive int or None (or
-            is given with ``keep_effective_batch=False``), an unknown ``loss_reduction`` or an empty
-            ``batch_arg_name``.
+        TypeError: a ``min_micro_batch_size`` or ``probe_up_after`` that is not an int, a ``keep_effective_batch``,
+            ``recover_eval`` or ``progress_bar`` that is not a bool, a ``loss_reduction`` or ``batch_arg_name``
+            that is not a string.
+        ValueError: a ``min_micro_batch_size`` or ``probe_up_after`` below 1 (or a ``probe_up_after`` given with
+            ``keep_effective_batch=False``), an unknown ``loss_reduction`` or an empty ``batch_arg_name``.
         OOMRecoveryError: as above.
 
     Example::
@@ -124,45 +130,32 @@ class OOMBackoff(Callback):
         progress_bar: bool = True,
     ) -> None:
         name = type(self).__name__
-        if isinstance(min_micro_batch_size, bool) or not isinstance(min_micro_batch_size, int):
-            raise TypeError(f"{name}: min_micro_batch_size must be an int, got {min_micro_batch_size!r}")
-        if min_micro_batch_size < 1:
-            raise ValueError(f"{name}: min_micro_batch_size must be at least 1 sample, got {min_micro_batch_size}")
-        if probe_up_after is not None and (
-            isinstance(probe_up_after, bool) or not isinstance(probe_up_after, int) or probe_up_after < 1
-        ):
-            raise ValueError(
-                f"{name}: probe_up_after must be a positive int (batches), got {probe_up_after!r}; use None to never"
-                " probe back up"
-            )
+        check_int(name, "min_micro_batch_size", min_micro_batch_size, minimum=1, hint="it counts samples")
+        check_bool(name, "keep_effective_batch", keep_effective_batch)
+        check_int(
+            name, "probe_up_after", probe_up_after, minimum=1, allow_none=True, hint="use None to never probe back up"
+        )
         if probe_up_after is not None and not keep_effective_batch:
             raise ValueError(
                 f"{name}: probe_up_after={probe_up_after} needs keep_effective_batch=True; with False the batch size"
                 " itself is reduced and is not probed back up"
             )
-        if loss_reduction not in LOSS_REDUCTIONS:
-            raise ValueError(f"{name}: loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
+        check_choice(name, "loss_reduction", loss_reduction, LOSS_REDUCTIONS)
         if not isinstance(batch_arg_name, str) or not batch_arg_name:
-            raise ValueError(f"{name}: batch_arg_name must be a non-empty attribute name, got {batch_arg_name!r}")
-        check_progress_bar(name, progress_bar)
-        self.min_micro_batch_size = min_micro_batch_size
+            error = ValueError if isinstance(batch_arg_name, str) else TypeError
+            raise error(f"{name}: batch_arg_name must be a non-empty attribute name, got {batch_arg_name!r}")
+        check_bool(name, "recover_eval", recover_eval)
+        check_bool(name, "progress_bar", progress_bar)
+        self.policy = MicroBatchSizePolicy(min_micro_batch_size, probe_up_after)
         self.keep_effective_batch = keep_effective_batch
-        self.probe_up_after = probe_up_after
         self.batch_arg_name = batch_arg_name
         self.loss_reduction = loss_reduction
         self.recover_eval = recover_eval
         self.progress_bar = progress_bar
 
-        self.micro_batch_size: int | None = None
-        self.eval_micro_batch_size: int | None = None
-        self.recoveries = 0
-        self.last_batch_size = 0
-        self._good_batches = 0
-        self._probe_wait = probe_up_after
-        self._probe_size: int | None = None
         self._loader_batch_size: int | None = None
         self._runner: MicroBatchTrainer | None = None
-        self._loop: _BackoffOptimization | None = None
+        self._loop: BackoffOptimization | None = None
         self._trainer: pl.Trainer | None = None
         self._eval_wrappers: dict[str, Callable[..., Any]] = {}
         self._eval_rollback: StepRollback | None = None
@@ -170,6 +163,37 @@ class OOMBackoff(Callback):
         self._bar_on = False
         self._bar_shown: int | None = None
         self.events = EventLog()  # each backoff, for GPUMemoryMonitor's timeline
+
+    # ------------------------------------------------------------------------------ the policy's numbers
+    @property
+    def min_micro_batch_size(self) -> int:
+        """The smallest micro-batch to back off to, in samples."""
+        return self.policy.min_size
+
+    @property
+    def probe_up_after(self) -> int | None:
+        """Batches without an out-of-memory error before a probe upwards; ``None`` never probes."""
+        return self.policy.probe_up_after
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """The training micro-batch size in use, in samples; ``None`` while whole batches run."""
+        return self.policy.micro_batch_size
+
+    @property
+    def eval_micro_batch_size(self) -> int | None:
+        """The evaluation micro-batch size in use, in samples; ``None`` while whole batches run."""
+        return self.policy.eval_micro_batch_size
+
+    @property
+    def recoveries(self) -> int:
+        """Training backoffs since the start of training (failed probes not counted)."""
+        return self.policy.recoveries
+
+    @property
+    def last_batch_size(self) -> int:
+        """The size of the last training batch, in samples."""
+        return self.policy.last_batch_size
 
     # ------------------------------------------------------------------------------------------ lifecycle
     @override
@@ -205,9 +229,9 @@ class OOMBackoff(Callback):
             # restored from a checkpoint of a run whose batch size was reduced: the loader is built after this hook
             lightning_setattr(pl_module, self.batch_arg_name, self._loader_batch_size)
         self._largest_batch = 0
-        self._runner = MicroBatchTrainer(self, trainer)
+        self._runner = MicroBatchTrainer(trainer, self.policy, self, self.loss_reduction)
         epoch_loop = trainer.fit_loop.epoch_loop
-        self._loop = _BackoffOptimization(trainer, self._runner, epoch_loop.automatic_optimization)
+        self._loop = BackoffOptimization(trainer, self._runner, epoch_loop.automatic_optimization)
         epoch_loop.automatic_optimization = self._loop
 
     @override
@@ -265,6 +289,7 @@ class OOMBackoff(Callback):
             size = self.micro_batch_size if self.micro_batch_size is not None else self.last_batch_size
             pl_module.log("oom/micro_batch_size", float(size), on_step=True, on_epoch=False)
             pl_module.log("oom/recoveries", float(self.recoveries), on_step=True, on_epoch=False)
+        self._largest_batch = max(self._largest_batch, self.policy.last_batch_size)
         if self._bar_on:
             self._show_micro_batch_size(pl_module)
 
@@ -291,61 +316,34 @@ class OOMBackoff(Callback):
     # ---------------------------------------------------------------------------------- checkpointing
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "micro_batch_size": self.micro_batch_size,
-            "eval_micro_batch_size": self.eval_micro_batch_size,
-            "recoveries": self.recoveries,
-            "good_batches": self._good_batches,
-            "probe_wait": self._probe_wait,
-            "loader_batch_size": self._loader_batch_size,
-        }
+        return {**self.policy.state_dict(), "loader_batch_size": self._loader_batch_size}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.micro_batch_size = state_dict.get("micro_batch_size")
-        self.eval_micro_batch_size = state_dict.get("eval_micro_batch_size")
-        self.recoveries = int(state_dict.get("recoveries", 0))
-        self._good_batches = int(state_dict.get("good_batches", 0))
-        self._probe_wait = state_dict.get("probe_wait", self.probe_up_after)
+        self.policy.load_state_dict(state_dict)
         self._loader_batch_size = state_dict.get("loader_batch_size")
 
-    # ------------------------------------------------------------- decisions the training runner asks for
-    def _size_for_batch(self, total: int) -> tuple[int, bool]:
-        """The micro-batch size to start this batch with, and whether it is a probe upwards."""
-        self.last_batch_size = total
-        self._largest_batch = max(self._largest_batch, total)
-        self._probe_size = None
-        if self.micro_batch_size is None:
-            return total, False
-        if self._probe_wait is not None and self._good_batches >= self._probe_wait and self.micro_batch_size < total:
-            self._probe_size = min(total, 2 * self.micro_batch_size)
-            return self._probe_size, True
-        return min(self.micro_batch_size, total), False
+    # ------------------------------------------------------------- what the training runner reports and asks for
+    def report_backoff(self, old: int, new: int, oom_rank: int, total: int, probe: bool) -> None:
+        """Record and print a training backoff the policy adopted. Called on every rank with the same arguments.
 
-    def _smaller_size(self, size: int, probing: bool) -> int | None:
-        """The size to propose after this rank ran out of memory at ``size``; ``None`` below the floor."""
-        if probing and self.micro_batch_size is not None:
-            return self.micro_batch_size
-        if size <= self.min_micro_batch_size:
-            return None
-        return max(self.min_micro_batch_size, size // 2)
-
-    def _backed_off(self, old: int, new: int, oom_rank: int, total: int, probing: bool) -> None:
-        """Adopt the size every rank agreed on. Called on every rank with the same arguments."""
+        Args:
+            old: the micro-batch size that ran out of memory.
+            new: the size adopted.
+            oom_rank: the highest-numbered rank that ran out of memory.
+            total: the batch's size.
+            probe: whether ``old`` was a probe upwards.
+        """
         name = type(self).__name__
         step = self._trainer.global_step if self._trainer is not None else 0
-        self._good_batches = 0
-        self.micro_batch_size = new
-        probe = "failed probe, " if probing else ""
-        self.events.record(step, "oom_backoff", f"{probe}rank {oom_rank}, micro-batch {old} -> {new}")
-        if probing:
-            self._probe_wait = 2 * (self._probe_wait or 1)
+        prefix = "failed probe, " if probe else ""
+        self.events.record(step, "oom_backoff", f"{prefix}rank {oom_rank}, micro-batch {old} -> {new}")
+        if probe:
             rank_zero_info(
                 f"{name}: probing micro-batch size {old} ran out of memory on rank {oom_rank} (step {step}); back to"
-                f" {new}, next probe after {self._probe_wait} batches."
+                f" {new}, next probe after {self.policy.probe_wait} batches."
             )
             return
-        self.recoveries += 1
         per_batch = math.ceil(total / new)
         consequence = (
             "the effective batch size is unchanged"
@@ -357,19 +355,14 @@ class OOMBackoff(Callback):
             f" micro-batch size {old} -> {new} ({per_batch} micro-batches per batch); {consequence}."
         )
 
-    def _batch_succeeded(self, probing: bool) -> None:
-        if probing and self._probe_size is not None:
-            self.micro_batch_size = None if self._probe_size >= self.last_batch_size else self._probe_size
-            rank_zero_info(
-                f"{type(self).__name__}: probed the micro-batch size up to {self._probe_size} without running out"
-                " of memory."
-            )
-            self._good_batches = 0
-            return
-        if self.micro_batch_size is not None:
-            self._good_batches += 1
+    def report_probe_success(self, size: int) -> None:
+        """Print that a probe upwards to ``size`` samples did not run out of memory."""
+        rank_zero_info(
+            f"{type(self).__name__}: probed the micro-batch size up to {size} without running out of memory."
+        )
 
-    def _floor_message(self, rank: int, size: int, total: int, description: str) -> str:
+    def floor_message(self, rank: int, size: int, total: int, description: str) -> str:
+        """The error for rank ``rank`` running out of memory at the smallest micro-batch size."""
         device = self._trainer.strategy.root_device if self._trainer is not None else None
         return (
             f"{type(self).__name__}: rank {rank} ran out of memory with a micro-batch of {size} samples (a batch of"
@@ -379,7 +372,8 @@ class OOMBackoff(Callback):
             " sequence) or lower min_micro_batch_size."
         )
 
-    def _optimizer_step_message(self, rank: int, description: str) -> str:
+    def optimizer_step_message(self, rank: int, description: str) -> str:
+        """The error for rank ``rank`` running out of memory inside the optimizer step."""
         device = self._trainer.strategy.root_device if self._trainer is not None else None
         step = self._trainer.global_step if self._trainer is not None else 0
         return (
@@ -439,7 +433,7 @@ class OOMBackoff(Callback):
             total = batch_size_of(batch)
         except ValueError:
             return original(batch, *args, **kwargs)
-        size = min(self.eval_micro_batch_size or total, total)
+        size = self.policy.start_eval_batch(total)
         if self._eval_rollback is None:
             self._eval_rollback = StepRollback(pl_module)
         rollback = self._eval_rollback
@@ -459,7 +453,8 @@ class OOMBackoff(Callback):
                     rollback.restore()
                 if not is_out_of_memory(err):
                     raise
-                if size <= self.min_micro_batch_size:
+                smaller = self.policy.eval_back_off(size)
+                if smaller is None:
                     device = self._trainer.strategy.root_device if self._trainer is not None else None
                     raise OOMRecoveryError(
                         f"{type(self).__name__}: {hook_name} ran out of memory with a micro-batch of {size} samples,"
@@ -469,8 +464,7 @@ class OOMBackoff(Callback):
             # outside the except block: the failed attempt's frames, and the activations they hold, are gone
             del outputs
             release_memory()
-            old, size = size, max(self.min_micro_batch_size, size // 2)
-            self.eval_micro_batch_size = size
+            old, size = size, smaller
             step = self._trainer.global_step if self._trainer is not None else 0
             self.events.record(step, "oom_backoff", f"{hook_name}, micro-batch {old} -> {size}")
             rank_zero_info(

@@ -1,6 +1,8 @@
 """OOMBackoff on one process: out-of-memory errors injected for real (the exception type and message a CUDA
 allocation failure has), the trajectory compared with runs that never ran out of memory."""
 
+import re
+
 import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -230,18 +232,45 @@ def test_keep_effective_batch_false_needs_the_batch_size_attribute(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("kwargs", "error", "message"),
     [
-        ({"min_micro_batch_size": 0}, "min_micro_batch_size must be at least 1 sample, got 0"),
-        ({"min_micro_batch_size": 2.0}, "min_micro_batch_size must be an int, got 2.0"),
-        ({"probe_up_after": 0}, "probe_up_after must be a positive int"),
-        ({"probe_up_after": 5, "keep_effective_batch": False}, "needs keep_effective_batch=True"),
-        ({"loss_reduction": "max"}, r"loss_reduction must be one of \('mean', 'sum'\), got 'max'"),
-        ({"batch_arg_name": ""}, "batch_arg_name must be a non-empty attribute name"),
+        ({"min_micro_batch_size": 0}, ValueError, "min_micro_batch_size must be an int >= 1, got 0; it counts samples"),
+        (
+            {"min_micro_batch_size": 2.0},
+            TypeError,
+            "min_micro_batch_size must be an int >= 1, got 2.0; it counts samples",
+        ),
+        (
+            {"min_micro_batch_size": True},
+            TypeError,
+            "min_micro_batch_size must be an int >= 1, got True; it counts samples",
+        ),
+        (
+            {"probe_up_after": 0},
+            ValueError,
+            "probe_up_after must be an int >= 1 or None, got 0; use None to never probe back up",
+        ),
+        (
+            {"probe_up_after": "3"},
+            TypeError,
+            "probe_up_after must be an int >= 1 or None, got '3'; use None to never probe back up",
+        ),
+        (
+            {"probe_up_after": 5, "keep_effective_batch": False},
+            ValueError,
+            "probe_up_after=5 needs keep_effective_batch=True; with False the batch size itself is reduced and is not"
+            " probed back up",
+        ),
+        ({"keep_effective_batch": "yes"}, TypeError, "keep_effective_batch must be True or False, got 'yes'"),
+        ({"recover_eval": 1}, TypeError, "recover_eval must be True or False, got 1"),
+        ({"loss_reduction": "max"}, ValueError, "loss_reduction must be one of 'mean', 'sum', got 'max'"),
+        ({"loss_reduction": 3}, TypeError, "loss_reduction must be one of 'mean', 'sum', got 3"),
+        ({"batch_arg_name": ""}, ValueError, "batch_arg_name must be a non-empty attribute name, got ''"),
+        ({"batch_arg_name": 3}, TypeError, "batch_arg_name must be a non-empty attribute name, got 3"),
     ],
 )
-def test_bad_arguments_are_refused_at_construction(kwargs, match):
-    with pytest.raises((ValueError, TypeError), match=match):
+def test_bad_arguments_are_refused_at_construction(kwargs, error, message):
+    with pytest.raises(error, match=f"^OOMBackoff: {re.escape(message)}$"):
         OOMBackoff(**kwargs)
 
 
@@ -300,3 +329,20 @@ def test_a_batch_without_a_batch_dimension_runs_whole(tmp_path):
     _, trainer = fit(tmp_path, [backoff], max_epochs=1, model_class=DictOfLists)
     assert trainer.global_step == 2
     assert backoff.micro_batch_size is None
+
+
+def test_the_checkpoint_keys_are_the_ones_saved_before_the_policy_was_split_out():
+    # what OOMBackoff saved before MicroBatchSizePolicy existed: such a checkpoint loads, and a new one reads the same
+    old = {
+        "micro_batch_size": 4,
+        "eval_micro_batch_size": 2,
+        "recoveries": 3,
+        "good_batches": 1,
+        "probe_wait": 4,
+        "loader_batch_size": None,
+    }
+    backoff = OOMBackoff(probe_up_after=2)
+    backoff.load_state_dict(old)
+    assert backoff.state_dict() == old
+    assert (backoff.micro_batch_size, backoff.eval_micro_batch_size, backoff.recoveries) == (4, 2, 3)
+    assert backoff.policy.probe_wait == 4  # the doubled wait of the checkpointed run, not probe_up_after
