@@ -10,6 +10,7 @@ import pytest
 from lightning.pytorch import Trainer
 
 from lightning_mgpu import MultiGPUStrategy
+from lightning_mgpu.commands import env as env_module
 from lightning_mgpu.commands.env import (
     build_launch_context,
     detect_launcher,
@@ -108,8 +109,8 @@ def test_without_a_command_prints_help_and_exits_2():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (("env", "--devices", "x"), "devices='x' cannot be used with accelerator='cpu': give a count >= 1"),
-        (("env", "--accelerator", "cpu", "--devices", "-1"), "devices=-1 cannot be used with accelerator='cpu'"),
+        (("env", "--devices", "x"), "devices='x' with accelerator='cpu': give a number of processes (--devices N)"),
+        (("env", "--accelerator", "cpu", "--devices", "-1"), "devices=-1 with accelerator='cpu': give a number of"),
         # checked by environment_report now, so that building the parser imports no torch
         (("env", "--accelerator", "tpu"), "accelerator must be one of 'auto', 'cpu', 'cuda', 'gpu', got 'tpu'"),
     ],
@@ -185,9 +186,10 @@ def test_torch_device_mapping_without_nvml(monkeypatch):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"devices": 0}, "devices=0 cannot be used with accelerator='cpu'"),
-        ({"devices": -2}, "devices=-2 cannot be used with accelerator='cpu'"),
-        ({"accelerator": "cpu", "devices": -1}, "devices=-1 cannot be used with accelerator='cpu'"),
+        ({"devices": 0}, "devices=0 with accelerator='cpu': give a number of processes"),
+        ({"devices": -2}, "devices=-2 with accelerator='cpu': give a number of processes"),
+        ({"accelerator": "cpu", "devices": -1}, "devices=-1 with accelerator='cpu'"),
+        ({"accelerator": "cpu", "devices": "0,1"}, "-1 and lists of GPU indices select CUDA GPUs"),
         ({"num_nodes": 0}, "num_nodes must be"),
         ({"accelerator": "tpu"}, "accelerator must be one of"),
     ],
@@ -198,8 +200,8 @@ def test_build_launch_context_rejects(kwargs, match):
 
 
 def test_devices_are_counted_as_the_trainer_and_the_batch_arithmetic_count_them():
-    # one home for device arithmetic: a list of indices is 2 devices here as in the configs' batch size
-    assert build_launch_context(accelerator="cpu", devices="0,1").num_devices == 2
+    # one home for device arithmetic: a list of GPU indices is 2 devices here as in the configs' batch size
+    assert build_launch_context(accelerator="cuda", devices="0,1").num_devices == 2
     assert build_launch_context(accelerator="cpu", devices="3").num_devices == 3
     assert count_processes("0,1", 1, "cpu") == 2
 
@@ -260,3 +262,12 @@ def test_agrees_with_the_strategy_the_trainer_builds(monkeypatch, env, devices, 
     assert trainer.strategy.choice == choose_strategy(context)
     if isinstance(trainer.strategy, MultiGPUStrategy):
         assert trainer.strategy.launch_context() == context
+
+
+def test_env_with_cuda_and_no_gpu_reports_instead_of_failing(monkeypatch):
+    # what a user runs env for: a broken driver, an empty CUDA_VISIBLE_DEVICES, a login node
+    monkeypatch.setattr(env_module, "visible_cuda_devices", lambda: 0)
+    context = build_launch_context(accelerator="cuda", devices="auto")
+    assert (context.accelerator, context.num_devices) == ("cuda", 0)
+    report = environment_report(accelerator="cuda", devices=-1, session=NVMLSession(load=fake_nvml, warn=[].append))
+    assert "no CUDA device visible to torch: the Trainer would refuse to start" in report

@@ -328,7 +328,15 @@ def _count_devices(accelerator: str, devices: int | str, num_nodes: int) -> tupl
         raise ValueError(f"accelerator must be one of {', '.join(map(repr, ACCELERATORS))}, got {accelerator!r}")
     if not is_positive_int(num_nodes):
         raise ValueError(f"num_nodes must be an int >= 1, got {num_nodes!r}")
-    return accelerator_name(accelerator), devices_per_node(devices, accelerator)
+    name = accelerator_name(accelerator)
+    if name == "cuda" and devices in ("auto", -1):
+        return name, visible_cuda_devices()  # none visible is what this report is for: its notes say so
+    if name != "cuda" and devices != "auto" and not is_positive_int(devices):
+        raise ValueError(
+            f"devices={devices!r} with accelerator={name!r}: give a number of processes (--devices N); -1 and lists"
+            " of GPU indices select CUDA GPUs"
+        )
+    return name, devices_per_node(devices, accelerator)
 
 
 def _describe_device(device: NVMLDevice | None) -> str:

@@ -7,6 +7,8 @@ were agreed before), so every rank's policy takes the same decisions.
 
 from typing import Any
 
+from lightning_mgpu.utilities.validation import check_int
+
 __all__ = ["MicroBatchSizePolicy"]
 
 
@@ -35,6 +37,9 @@ class MicroBatchSizePolicy:
     """
 
     def __init__(self, min_size: int = 1, probe_up_after: int | None = None) -> None:
+        owner = type(self).__name__
+        check_int(owner, "min_size", min_size, minimum=1)
+        check_int(owner, "probe_up_after", probe_up_after, minimum=1, allow_none=True)
         self.min_size = min_size
         self.probe_up_after = probe_up_after
         # None: the whole batch (no out-of-memory error yet, or a probe climbed back to the whole batch)

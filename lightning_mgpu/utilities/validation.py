@@ -11,7 +11,8 @@ Example::
 """
 
 import math
-from collections.abc import Collection
+import numbers
+from collections.abc import Collection, Sequence, Set
 from typing import Any
 
 __all__ = [
@@ -24,8 +25,10 @@ __all__ = [
     "check_str",
 ]
 
-# what check_sequence takes as "a list": a str is one value, not a list of characters
-_SEQUENCE_TYPES = (list, tuple, set, frozenset)
+# what check_sequence takes as "a list": any sequence or set (omegaconf's ListConfig, dict keys too), but a str is
+# one value, not a list of characters
+_SEQUENCE_TYPES = (Sequence, Set)
+_TEXT_TYPES = (str, bytes)
 
 
 def _fail(
@@ -37,8 +40,20 @@ def _fail(
     )
 
 
+def _is_bool(value: Any) -> bool:
+    # numpy's bool_ is no int subclass: recognised by its dtype
+    return isinstance(value, bool) or (
+        getattr(value, "shape", None) == () and str(getattr(value, "dtype", "")) == "bool"
+    )
+
+
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    # numbers.Real covers numpy and torch-free scalar types that register with it; a bool is not a number here
+    return isinstance(value, numbers.Real) and not _is_bool(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not _is_bool(value)
 
 
 def _of(unit: str) -> str:
@@ -51,8 +66,10 @@ def check_bool(owner: str, name: str, value: Any, allow_none: bool = False, hint
     Raises:
         TypeError: anything else, ``1`` and ``"yes"`` included.
     """
-    if isinstance(value, bool) or (value is None and allow_none):
-        return value
+    if value is None and allow_none:
+        return None
+    if _is_bool(value):
+        return bool(value)
     raise _fail(TypeError, owner, name, "True, False or None" if allow_none else "True or False", value, hint)
 
 
@@ -79,7 +96,7 @@ def check_int(
     allowed = f"an int {bounds}".rstrip() + (" or None" if allow_none else "")
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not _is_int(value):
         raise _fail(TypeError, owner, name, allowed, value, hint)
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         raise _fail(ValueError, owner, name, allowed, value, hint)
@@ -221,7 +238,7 @@ def check_sequence(
     allowed += " or None" if allow_none else ""
     if value is None and allow_none:
         return None
-    if not isinstance(value, _SEQUENCE_TYPES):
+    if not isinstance(value, _SEQUENCE_TYPES) or isinstance(value, _TEXT_TYPES):
         raise _fail(TypeError, owner, name, allowed, value, hint)
     if item_type is not None:
         for item in value:

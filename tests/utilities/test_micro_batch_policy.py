@@ -2,6 +2,8 @@
 
 import pickle
 
+import pytest
+
 from lightning_mgpu.utilities.micro_batch_policy import MicroBatchSizePolicy
 
 
@@ -187,3 +189,12 @@ def test_a_checkpoint_without_the_keys_starts_fresh():
         "probe_wait": 4,
     }
     assert policy.start_batch(16) == 16
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [({"min_size": 0}, ValueError), ({"min_size": 1.5}, TypeError), ({"probe_up_after": 0}, ValueError)],
+)
+def test_bad_sizes_are_refused(kwargs, error):
+    with pytest.raises(error, match=r"^MicroBatchSizePolicy: "):
+        MicroBatchSizePolicy(**kwargs)

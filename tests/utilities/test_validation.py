@@ -161,3 +161,19 @@ def test_check_sequence_accepts_lists_tuples_and_sets():
 def test_check_sequence_refuses(value, kwargs, error, message):
     with pytest.raises(error, match=r"^O: names must be " + message):
         check_sequence("O", "names", value, "names", **kwargs)
+
+
+def test_numpy_scalars_and_other_sequences_are_accepted_as_users_pass_them():
+    import numpy as np
+    from omegaconf import OmegaConf
+
+    assert check_int("O", "n", np.int64(3), minimum=1) == 3
+    assert check_positive("O", "x", np.float32(0.5)) == pytest.approx(0.5)
+    assert check_bool("O", "flag", np.bool_(True)) is True
+    with pytest.raises(TypeError, match="must be an int"):
+        check_int("O", "n", np.bool_(True))
+    patterns = OmegaConf.create({"exclude": ["head.*"]}).exclude  # what Hydra's instantiate passes
+    assert check_sequence("O", "exclude", patterns, "name patterns", item_type=str) == ["head.*"]
+    assert check_sequence("O", "keys", {"a": 1}.keys(), "names", item_type=str) == ["a"]
+    with pytest.raises(TypeError, match="must be a list of name patterns"):
+        check_sequence("O", "exclude", "head.*", "name patterns", item_type=str)
