@@ -128,6 +128,8 @@ class MGPULightningCLI(LightningCLI):
         set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
         parser_kwargs = dict(parser_kwargs or {})
         parser_kwargs.setdefault("parser_mode", "omegaconf+")
+        # the subcommands' parsers report jsonargparse's default mode while arguments are added: remember ours
+        self._derives_batch_size = parser_kwargs["parser_mode"] == "omegaconf+"
         kwargs.setdefault("parser_class", MGPUArgumentParser)
         super().__init__(*args, parser_kwargs=parser_kwargs, **kwargs)
 
@@ -158,7 +160,7 @@ class MGPULightningCLI(LightningCLI):
             "--per_device_batch_size",
             type=PositiveInt | None,
             # derived by interpolation, which only omegaconf+ resolves after every config is merged
-            default=_DERIVED_BATCH_DEFAULT if parser.parser_mode == "omegaconf+" else None,
+            default=_DERIVED_BATCH_DEFAULT if self._derives_batch_size else None,
             help="samples per batch per process; by default global_batch_size / (devices x num_nodes x"
             " accumulate_grad_batches) when global_batch_size is given, else unset",
         )
