@@ -1,7 +1,7 @@
 """The main example: an ordinary LightningModule with BatchNorm, ``strategy="mgpu"`` and every callback of the pack.
 
-Run with no arguments: 2 CPU processes (DDP over gloo), synthetic data, 14-20 seconds on 2 cores (20-25 when other
-work shares them):
+Run with no arguments: 2 CPU processes (DDP over gloo), synthetic data, 19-22 seconds on 2 idle cores (the fit
+itself 10-12):
 
     python examples/train.py
     python examples/train.py --accelerator cuda --devices 4       # the same on GPUs

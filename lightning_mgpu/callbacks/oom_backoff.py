@@ -180,6 +180,11 @@ class OOMBackoff(Callback):
         """The training micro-batch size in use, in samples; ``None`` while whole batches run."""
         return self.policy.micro_batch_size
 
+    @micro_batch_size.setter
+    def micro_batch_size(self, size: int | None) -> None:
+        # settable as before the policy was split out: None goes back to whole batches
+        self.policy.micro_batch_size = size
+
     @property
     def eval_micro_batch_size(self) -> int | None:
         """The evaluation micro-batch size in use, in samples; ``None`` while whole batches run."""

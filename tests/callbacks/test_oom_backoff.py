@@ -346,3 +346,11 @@ def test_the_checkpoint_keys_are_the_ones_saved_before_the_policy_was_split_out(
     assert backoff.state_dict() == old
     assert (backoff.micro_batch_size, backoff.eval_micro_batch_size, backoff.recoveries) == (4, 2, 3)
     assert backoff.policy.probe_wait == 4  # the doubled wait of the checkpointed run, not probe_up_after
+
+
+def test_the_micro_batch_size_can_still_be_set_back_to_whole_batches():
+    backoff = OOMBackoff()
+    backoff.micro_batch_size = 8
+    assert backoff.policy.micro_batch_size == 8
+    backoff.micro_batch_size = None
+    assert backoff.micro_batch_size is None and backoff.policy.start_batch(64) == 64
