@@ -181,21 +181,35 @@ def check_choice(owner: str, name: str, value: Any, choices: Collection[Any], hi
     A value of another type than every choice (``3`` for a string option) is a ``TypeError``.
     """
     allowed = "one of " + ", ".join(map(repr, choices))
-    if any(value == choice and type(value) is type(choice) for choice in choices):
+    # a str-valued Enum member is its string; True is no choice of 1 (bool is an int subclass)
+    if any(
+        value == choice and isinstance(value, type(choice)) and _is_bool(value) == _is_bool(choice)
+        for choice in choices
+    ):
         return value
-    if not any(isinstance(value, type(choice)) for choice in choices):
+    if not any(isinstance(value, type(choice)) and _is_bool(value) == _is_bool(choice) for choice in choices):
         raise _fail(TypeError, owner, name, allowed, value, hint)
     raise _fail(ValueError, owner, name, allowed, value, hint)
 
 
-def check_str(owner: str, name: str, value: Any, allow_empty: bool = False, hint: str = "") -> str:
+def check_str(
+    owner: str, name: str, value: Any, allow_empty: bool = False, hint: str = "", what: str | None = None
+) -> str:
     """Return ``value`` if it is a string (a non-empty one unless ``allow_empty``).
+
+    Args:
+        owner: the class, for the message.
+        name: the parameter.
+        value: what was given.
+        allow_empty: whether ``""`` is allowed.
+        hint: appended to the message.
+        what: what the message says is allowed ("a non-empty string" by default).
 
     Raises:
         TypeError: not a str.
         ValueError: an empty string where it is not allowed.
     """
-    allowed = "a string" if allow_empty else "a non-empty string"
+    allowed = what or ("a string" if allow_empty else "a non-empty string")
     if not isinstance(value, str):
         raise _fail(TypeError, owner, name, allowed, value, hint)
     if not value and not allow_empty:

@@ -177,3 +177,17 @@ def test_numpy_scalars_and_other_sequences_are_accepted_as_users_pass_them():
     assert check_sequence("O", "keys", {"a": 1}.keys(), "names", item_type=str) == ["a"]
     with pytest.raises(TypeError, match="must be a list of name patterns"):
         check_sequence("O", "exclude", "head.*", "name patterns", item_type=str)
+
+
+def test_a_str_enum_member_is_its_string_choice_and_a_bool_is_no_int_choice():
+    import enum
+
+    class Mode(str, enum.Enum):
+        DDP = "ddp"
+        DP = "dp"
+
+    assert check_choice("Owner", "mode", Mode.DDP, ("ddp", "dp", "auto")) == "ddp"
+    with pytest.raises(ValueError, match=r"Owner: mode must be one of 'ddp', 'auto', got <Mode.DP: 'dp'>"):
+        check_choice("Owner", "mode", Mode.DP, ("ddp", "auto"))
+    with pytest.raises(TypeError, match=r"Owner: steps must be one of 1, 2, got True"):
+        check_choice("Owner", "steps", True, (1, 2))
