@@ -6,6 +6,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_mgpu import compat
+
 # optimizer -> (step, parameter ids, norms): one entry per optimizer, replaced every optimizer step
 _CACHE: "weakref.WeakKeyDictionary[Optimizer, tuple[int, tuple[int, ...], Tensor]]" = weakref.WeakKeyDictionary()
 
@@ -26,7 +28,7 @@ def gradient_norms(optimizer: Optimizer, params: list[Tensor], step: int) -> Ten
     cached = _CACHE.get(optimizer)
     if cached is not None and cached[0] == step and cached[1] == ids:
         return cached[2]
-    norms = torch.stack(torch._foreach_norm([p.grad for p in params], 2, dtype=torch.float32))
+    norms = torch.stack(compat.foreach_norm([p.grad for p in params], 2, dtype=torch.float32))
     _CACHE[optimizer] = (step, ids, norms)
     return norms
 

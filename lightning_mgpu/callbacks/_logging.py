@@ -4,12 +4,6 @@ import lightning.pytorch as pl
 import torch
 
 
-def is_logging_step(trainer: "pl.Trainer") -> bool:
-    """Whether the optimizer step under way is one whose metrics Lightning's loggers write."""
-    every = trainer.log_every_n_steps
-    return every > 0 and (trainer.global_step + 1) % every == 0
-
-
 def has_progress_bar(trainer: "pl.Trainer") -> bool:
     """Whether the Trainer draws a progress bar (``enable_progress_bar``, or a ``ProgressBar`` of the user's)."""
     return trainer.progress_bar_callback is not None

@@ -28,19 +28,19 @@ from typing import Any, Protocol
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.loops.optimization.automatic import ClosureResult, _AutomaticOptimization
-from lightning.pytorch.loops.optimization.closure import AbstractClosure
+from lightning.pytorch.loops.optimization.automatic import ClosureResult
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mgpu.callbacks._step_logs import LoggedCall, capture_logs, replay_logs
-from lightning_mgpu.utilities.batch_split import batch_size_of, combine_outputs, slice_batch, split_batch
+from lightning_mgpu import compat
+from lightning_mgpu.utilities.batch_split import batch_size_of, slice_batch, split_batch
 from lightning_mgpu.utilities.grad_allreduce import DEFAULT_BUCKET_BYTES, average_gradients
 from lightning_mgpu.utilities.host_group import host_side_group
 from lightning_mgpu.utilities.micro_batch_policy import MicroBatchSizePolicy
 from lightning_mgpu.utilities.oom import is_out_of_memory, release_memory
+from lightning_mgpu.utilities.step_pieces import LogCall, capture_logs, merge_outputs, replay_logs
 from lightning_mgpu.utilities.step_rollback import StepRollback
 
 # a local out-of-memory error that a smaller micro-batch may fix
@@ -59,7 +59,7 @@ class _Piece:
 
     __slots__ = ("extra", "logs", "loss", "samples")
 
-    def __init__(self, samples: int, loss: Tensor | None, extra: dict[str, Any], logs: list[LoggedCall]) -> None:
+    def __init__(self, samples: int, loss: Tensor | None, extra: dict[str, Any], logs: list[LogCall]) -> None:
         self.samples, self.loss, self.extra, self.logs = samples, loss, extra, logs
 
 
@@ -115,7 +115,7 @@ class MicroBatchTrainer:
         self.group: dist.ProcessGroup | None = None
         self.flag_device = torch.device("cpu")
         if self.world_size > 1:
-            self.group, self.flag_device = host_side_group(strategy.root_device, getattr(strategy, "_timeout", None))
+            self.group, self.flag_device = host_side_group(strategy.root_device, compat.process_group_timeout(strategy))
 
     # ---------------------------------------------------------------------------------------------- one batch
     def run_batch(
@@ -131,10 +131,10 @@ class MicroBatchTrainer:
             total, splittable = 1, False
         # listed per batch: layers a fine-tuning callback unfroze since the last batch are averaged too
         self.params = [p for p in self.pl_module.parameters() if p.requires_grad]
-        zero_grad_fn = loop._make_zero_grad_fn(batch_idx, optimizer)
-        backward_fn = loop._make_backward_fn(optimizer)
-        accumulating = (
-            not self.trainer.strategy.handles_gradient_accumulation and self.trainer.fit_loop._should_accumulate()
+        zero_grad_fn = loop.zero_grad_fn(batch_idx, optimizer)
+        backward_fn = loop.backward_fn(optimizer)
+        accumulating = not self.trainer.strategy.handles_gradient_accumulation and compat.should_accumulate(
+            self.trainer
         )
         reduce_now = self.ddp is not None and not accumulating
         if self.ddp is not None:
@@ -219,7 +219,7 @@ class MicroBatchTrainer:
     ) -> _LocalFailure | None:
         piece, samples = pending_piece
         weight = samples / total if self.loss_reduction == "mean" else 1.0
-        logs: list[LoggedCall] = []
+        logs: list[LogCall] = []
         saved = stashing = False
         stashed = None
         try:
@@ -229,7 +229,7 @@ class MicroBatchTrainer:
             with self._no_sync(), capture_logs(self.pl_module, logs, samples):
                 piece_kwargs = OrderedDict(kwargs)
                 piece_kwargs["batch"] = piece
-                output = loop._training_step(piece_kwargs)
+                output = loop.training_step(piece_kwargs)
                 loss = output.closure_loss
                 if loss is not None and weight != 1.0:
                     loss = loss * weight
@@ -331,8 +331,7 @@ class MicroBatchTrainer:
         ddp.require_forward_param_sync = False
         if not first_of_window or not ddp.broadcast_buffers or next(ddp.module.buffers(), None) is None:
             return
-        if hasattr(ddp, "_sync_buffers"):
-            ddp._sync_buffers()  # coalesced, and through the buffer comm hook if one is registered
+        if compat.broadcast_ddp_buffers(ddp):  # coalesced, and through the buffer comm hook if one is registered
             return
         with torch.no_grad():
             for buffer in ddp.module.buffers():
@@ -344,7 +343,7 @@ class MicroBatchTrainer:
         if len(done) == 1:
             extra = done[0].extra
         else:
-            extra = combine_outputs([piece.extra for piece in done], [piece.samples for piece in done])
+            extra = merge_outputs([piece.extra for piece in done], [piece.samples for piece in done])
         return ClosureResult(total_loss, extra=extra)
 
 
@@ -381,7 +380,7 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
-class _MicroBatchClosure(AbstractClosure[ClosureResult]):
+class _MicroBatchClosure(compat.OptimizerClosure):
     """The closure the optimizer calls: one batch, as micro-batches, agreed on every rank."""
 
     def __init__(self, loop: "BackoffOptimization", kwargs: OrderedDict, optimizer: Optimizer, batch_idx: int):
@@ -396,31 +395,23 @@ class _MicroBatchClosure(AbstractClosure[ClosureResult]):
         self.finished = True
         return result
 
-    @override
-    def __call__(self, *args: Any, **kwargs: Any) -> Tensor | None:
-        self._result = self.closure(*args, **kwargs)
-        return self._result.loss
 
-
-class BackoffOptimization(_AutomaticOptimization):
+class BackoffOptimization(compat.AutomaticOptimization):
     """Lightning's automatic optimization with the micro-batching closure and a guarded optimizer step."""
 
-    def __init__(self, trainer: "pl.Trainer", runner: MicroBatchTrainer, replaced: _AutomaticOptimization) -> None:
-        super().__init__(trainer)
-        # the progress counters are the replaced loop's: checkpoints and resumption see no difference
-        self.optim_progress = replaced.optim_progress
-        self._skip_backward = replaced._skip_backward
+    def __init__(self, trainer: "pl.Trainer", runner: MicroBatchTrainer, replaced: Any) -> None:
+        super().__init__(trainer, replaced)
         self.runner = runner
-        self.replaced = replaced
 
     @override
-    def _make_closure(self, kwargs: OrderedDict, optimizer: Optimizer, batch_idx: int) -> _MicroBatchClosure:
+    def make_closure(self, kwargs: OrderedDict, optimizer: Optimizer, batch_idx: int) -> _MicroBatchClosure:
         return _MicroBatchClosure(self, kwargs, optimizer, batch_idx)
 
     @override
-    def _optimizer_step(self, batch_idx: int, train_step_and_backward_closure: Any) -> None:
+    def optimizer_step(self, batch_idx: int, closure: Any) -> None:
+        train_step_and_backward_closure = closure
         try:
-            super()._optimizer_step(batch_idx, train_step_and_backward_closure)
+            super().optimizer_step(batch_idx, train_step_and_backward_closure)
         except Exception as err:
             closure = train_step_and_backward_closure
             if not (isinstance(closure, _MicroBatchClosure) and closure.finished and is_out_of_memory(err)):
@@ -432,7 +423,7 @@ class BackoffOptimization(_AutomaticOptimization):
             # the control flow of the others (max_steps, checkpoint triggers, validation), and carries on until the
             # next point where every rank meets: the next batch's agreement, the start of validation, a checkpoint
             # save or the end of training. There every rank stops together, and no checkpoint is written.
-            if not self.trainer.fit_loop._should_accumulate():
+            if not compat.should_accumulate(self.trainer):
                 self.optim_progress.optimizer.step.increment_completed()
             self.runner.pending_failure = message
         if self.runner.pending_failure is not None:

@@ -14,6 +14,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_mgpu import compat
 from lightning_mgpu._imports import MATPLOTLIB_AVAILABLE, PROMETHEUS_AVAILABLE
 from lightning_mgpu.callbacks._logging import has_progress_bar, show_in_progress_bar
 from lightning_mgpu.strategies.data_parallel import DataParallelStrategy
@@ -222,6 +223,7 @@ class GPUMemoryMonitor(Callback):
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        compat.check_lightning_internals(trainer, type(self).__name__)
         self._shutdown(print_paths=False)
         self._rank, self._local_rank, self._world_size = trainer.global_rank, trainer.local_rank, trainer.world_size
         fn = str(getattr(stage, "value", stage))
@@ -234,7 +236,7 @@ class GPUMemoryMonitor(Callback):
             gpus,
             self._nvml,
             self.sample_hz,
-            step=lambda: trainer.fit_loop.epoch_loop._batches_that_stepped,
+            step=lambda: compat.logger_step(trainer),
             track_peak=self.track_peak,
             warn=self._warn_on_this_rank,
         )
@@ -289,9 +291,9 @@ class GPUMemoryMonitor(Callback):
         if self._collect_events():  # a Python comparison per source when nothing happened
             self._sampler.sample_now()
         # Lightning's own decision, so these rows land on the steps its loggers write anyway, once per optimizer step
-        if not trainer._logger_connector.should_update_logs:
+        if not compat.is_logging_step(trainer):
             return
-        if pl_module.automatic_optimization and trainer.fit_loop._should_accumulate():
+        if pl_module.automatic_optimization and compat.should_accumulate(trainer):
             return
         self._sampler.sample_now()
         window = self._log_window(trainer, stage=None)
@@ -423,7 +425,7 @@ class GPUMemoryMonitor(Callback):
             return
         # a side group on gloo keeps the numbers on the host: no device copy, no stream synchronisation
         self._gather_group, self._gather_device = host_side_group(
-            trainer.strategy.root_device, getattr(trainer.strategy, "_timeout", None), self._warn_on_this_rank
+            trainer.strategy.root_device, compat.process_group_timeout(trainer.strategy), self._warn_on_this_rank
         )
 
     def _start_exporter(self, local_rank: int, gpus: list[MonitoredGPU]) -> None:
@@ -458,7 +460,7 @@ class GPUMemoryMonitor(Callback):
         prefix = self.log_prefix if stage is None else f"{self.log_prefix}/{stage}"
         metrics = {f"{prefix}/{key}": value for key, value in metrics.items()}
         self.last_logged = metrics
-        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        step = compat.logger_step(trainer)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
         return window

@@ -13,11 +13,11 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_mgpu import compat
 from lightning_mgpu.callbacks._amp import params_to_step
 from lightning_mgpu.callbacks._grad_norms import clear_gradient_norms, gradient_norms
 from lightning_mgpu.callbacks._logging import (
     has_progress_bar,
-    is_logging_step,
     show_in_progress_bar,
 )
 from lightning_mgpu.utilities.clip_grad import (
@@ -177,11 +177,12 @@ class GradientClipping(Callback):
     def state_key(self) -> str:
         # Lightning reads this for every hook it calls: build it once
         if self._state_key is None:
-            self._state_key = self._generate_state_key(mode=self.mode, **self.options)
+            self._state_key = compat.callback_state_key(self, mode=self.mode, **self.options)
         return self._state_key
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        compat.check_lightning_internals(trainer, type(self).__name__)
         if trainer.gradient_clip_val:
             raise MisconfigurationException(
                 f"{type(self).__name__}(mode={self.mode!r}) and Trainer(gradient_clip_val={trainer.gradient_clip_val})"
@@ -216,7 +217,7 @@ class GradientClipping(Callback):
         if not params:
             return
         norm, threshold = self._clip(optimizer, params, trainer.global_step)
-        if not is_logging_step(trainer):
+        if not compat.is_logging_step(trainer):
             return
         if self.log_norm:
             pl_module.log("grad_norm", norm, on_step=True, on_epoch=False)

@@ -7,15 +7,15 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import Tensor, nn
+from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_mgpu import compat
 from lightning_mgpu.callbacks._amp import params_to_step
 from lightning_mgpu.callbacks._grad_norms import clear_gradient_norms, gradient_norms
 from lightning_mgpu.callbacks._logging import (
     has_progress_bar,
-    is_logging_step,
     show_in_progress_bar,
 )
 from lightning_mgpu.utilities.training_events import EventLog
@@ -137,6 +137,7 @@ class NaNSkip(Callback):
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        compat.check_lightning_internals(trainer, type(self).__name__)
         self._distributed = trainer.world_size > 1
 
     @override
@@ -158,7 +159,7 @@ class NaNSkip(Callback):
         self._buffers = [
             buffer
             for module in pl_module.modules()
-            if isinstance(module, nn.modules.batchnorm._BatchNorm)
+            if isinstance(module, compat.BatchNormBase)
             for buffer in module.buffers()
         ]
         self._snapshot = None
@@ -211,7 +212,7 @@ class NaNSkip(Callback):
             self._report_skip(trainer.global_step, *self._cause())
         self._snapshot = None
         self._loss_bad = None
-        if not is_logging_step(trainer):
+        if not compat.is_logging_step(trainer):
             return
         if self.log_skipped:
             pl_module.log("skipped_steps", self._skipped.float(), on_step=True, on_epoch=False)
@@ -367,9 +368,7 @@ class NaNSkip(Callback):
 
 def _skips_on_device(optimizer: Optimizer, trainer: "pl.Trainer", params: list[Tensor]) -> bool:
     """Whether the optimizer's own kernels can skip on a device flag, with no GradScaler handling that already."""
-    fused = bool(getattr(optimizer, "defaults", {}).get("fused")) and getattr(
-        optimizer, "_step_supports_amp_scaling", False
-    )
+    fused = bool(getattr(optimizer, "defaults", {}).get("fused")) and compat.supports_amp_scaling(optimizer)
     if not fused or getattr(trainer.precision_plugin, "scaler", None) is not None:
         return False
     # fused SGD creates its momentum buffers empty on the first step and its kernel returns early on found_inf:

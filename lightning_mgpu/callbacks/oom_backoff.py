@@ -12,17 +12,18 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.modules.batchnorm import SyncBatchNorm
 from typing_extensions import override
 
+from lightning_mgpu import compat
 from lightning_mgpu.callbacks._logging import has_progress_bar, show_in_progress_bar
 from lightning_mgpu.callbacks._oom_training import BackoffOptimization, MicroBatchTrainer, OOMRecoveryError
-from lightning_mgpu.callbacks._step_logs import LoggedCall, capture_logs, replay_logs
 from lightning_mgpu.strategies.ddp import DDPStrategy
-from lightning_mgpu.utilities.batch_split import batch_size_of, combine_outputs, split_batch
+from lightning_mgpu.utilities.batch_split import batch_size_of, split_batch
 from lightning_mgpu.utilities.distributed_batchnorm import DistributedBatchNorm
 from lightning_mgpu.utilities.micro_batch_policy import MicroBatchSizePolicy
 from lightning_mgpu.utilities.oom import is_out_of_memory, memory_summary, release_memory
+from lightning_mgpu.utilities.step_pieces import LogCall, capture_logs, merge_outputs, replay_logs
 from lightning_mgpu.utilities.step_rollback import StepRollback
 from lightning_mgpu.utilities.training_events import EventLog
-from lightning_mgpu.utilities.validation import check_bool, check_choice, check_int
+from lightning_mgpu.utilities.validation import check_bool, check_choice, check_int, check_str
 
 LossReduction = Literal["mean", "sum"]
 LOSS_REDUCTIONS: tuple[str, ...] = get_args(LossReduction)
@@ -141,9 +142,7 @@ class OOMBackoff(Callback):
                 " itself is reduced and is not probed back up"
             )
         check_choice(name, "loss_reduction", loss_reduction, LOSS_REDUCTIONS)
-        if not isinstance(batch_arg_name, str) or not batch_arg_name:
-            error = ValueError if isinstance(batch_arg_name, str) else TypeError
-            raise error(f"{name}: batch_arg_name must be a non-empty attribute name, got {batch_arg_name!r}")
+        check_str(name, "batch_arg_name", batch_arg_name, what="a non-empty attribute name")
         check_bool(name, "recover_eval", recover_eval)
         check_bool(name, "progress_bar", progress_bar)
         self.policy = MicroBatchSizePolicy(min_micro_batch_size, probe_up_after)
@@ -203,6 +202,7 @@ class OOMBackoff(Callback):
     # ------------------------------------------------------------------------------------------ lifecycle
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        compat.check_lightning_internals(trainer, type(self).__name__)
         self._trainer = trainer
         if stage == "fit" and not pl_module.automatic_optimization:
             raise MisconfigurationException(
@@ -290,7 +290,7 @@ class OOMBackoff(Callback):
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         # the step counter already moved on: ask the logger connector whether this step's metrics are written
-        if trainer._logger_connector.should_update_logs:
+        if compat.is_logging_step(trainer):
             size = self.micro_batch_size if self.micro_batch_size is not None else self.last_batch_size
             pl_module.log("oom/micro_batch_size", float(size), on_step=True, on_epoch=False)
             pl_module.log("oom/recoveries", float(self.recoveries), on_step=True, on_epoch=False)
@@ -312,7 +312,7 @@ class OOMBackoff(Callback):
             return
         self._loader_batch_size = self.micro_batch_size
         lightning_setattr(pl_module, self.batch_arg_name, self._loader_batch_size)
-        trainer.fit_loop._combined_loader = None  # rebuilt with the new batch size when the next epoch starts
+        compat.rebuild_train_dataloader(trainer)  # with the new batch size, when the next epoch starts
         rank_zero_info(
             f"{type(self).__name__}: the train dataloader's batch size is now {self._loader_batch_size}"
             f" ({self.batch_arg_name}); optimizer steps see the smaller batch from this epoch on."
@@ -408,7 +408,7 @@ class OOMBackoff(Callback):
                     " several processes: a rank running more micro-batches than the others would call its"
                     " collective more often and hang. Turn sync_batchnorm off or remove the callback."
                 )
-            if getattr(runner_model, "_comm_hooks", None):
+            if compat.ddp_has_comm_hook(runner_model):
                 rank_zero_warn(
                     f"{name}: the DDP communication hook registered on the model is bypassed; gradients are averaged"
                     " in full precision after the local backward passes."
@@ -445,7 +445,7 @@ class OOMBackoff(Callback):
         while True:
             pieces = split_batch(batch, size)
             outputs: list[Any] = []
-            logs: list[LoggedCall] = []
+            logs: list[LogCall] = []
             if rollback is not None:
                 rollback.save()
             try:
@@ -477,4 +477,4 @@ class OOMBackoff(Callback):
                 f" evaluation micro-batch size {old} -> {size} (training's is unchanged)."
             )
         replay_logs(pl_module, logs, hook_name)
-        return combine_outputs(outputs, [samples for _, samples in pieces])
+        return merge_outputs(outputs, [samples for _, samples in pieces])

@@ -14,15 +14,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_mgpu.strategies.choice import (
+from lightning_mgpu.utilities.devices import accelerator_name, devices_per_node, is_positive_int
+from lightning_mgpu.utilities.nvml import NVMLDevice, NVMLSession, torch_device_uuid
+from lightning_mgpu.utilities.strategy_choice import (
     LaunchContext,
     StrategyChoice,
     choose_strategy,
     cuda_is_initialized,
     is_interactive,
 )
-from lightning_mgpu.utilities.devices import accelerator_name, devices_per_node, is_positive_int
-from lightning_mgpu.utilities.nvml import NVMLDevice, NVMLSession, torch_device_uuid
 
 AcceleratorFlag = Literal["auto", "cpu", "cuda", "gpu"]
 ACCELERATORS: tuple[str, ...] = ("auto", "cpu", "cuda", "gpu")

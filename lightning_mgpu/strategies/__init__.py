@@ -1,17 +1,17 @@
 """Strategies, registered with Lightning's ``StrategyRegistry`` on import."""
 
 import difflib
-import functools
 from typing import Any
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_mgpu.strategies.auto import MultiGPUStrategy
-from lightning_mgpu.strategies.choice import LaunchContext, StrategyChoice, choose_strategy
+from lightning_mgpu import compat
 from lightning_mgpu.strategies.data_parallel import DataParallelStrategy
 from lightning_mgpu.strategies.ddp import DDPStrategy
+from lightning_mgpu.strategies.multi_gpu import MultiGPUStrategy
 from lightning_mgpu.strategies.single_device import SingleDeviceStrategy
 from lightning_mgpu.strategies.sync_batchnorm import DeviceAgnosticSyncBatchNorm
+from lightning_mgpu.utilities.strategy_choice import LaunchContext, StrategyChoice, choose_strategy
 
 # name -> (MultiGPUStrategy arguments, description)
 REGISTERED_STRATEGIES: dict[str, tuple[dict, str]] = {
@@ -70,37 +70,20 @@ def unknown_strategy_message(name: str) -> str | None:
 def install_strategy_name_hint() -> bool:
     """Make ``Trainer(strategy="mgpu_dpp")`` say what is registered and which name is closest; idempotent.
 
-    Lightning refuses an unknown name with a fixed list of examples that names none of ours. Its check lives in the
-    private ``_AcceleratorConnector._check_config_and_set_final_flags`` (Lightning 2.4-2.6); this wraps that method
-    so that the same ``ValueError`` gets :func:`unknown_strategy_message` appended, and changes nothing else. Where the
-    method is missing (another Lightning version), Lightning's own message stays as it is.
+    Lightning refuses an unknown name with a fixed list of examples that names none of ours. The same ``ValueError``
+    gets :func:`unknown_strategy_message` appended, and nothing else changes. Where this Lightning checks the flag
+    elsewhere (see :func:`lightning_mgpu.compat.install_strategy_flag_hint`), its own message stays as it is.
 
     Returns:
         Whether the hint is in place.
     """
-    from lightning.pytorch.trainer.connectors import accelerator_connector
 
-    connector = getattr(accelerator_connector, "_AcceleratorConnector", None)
-    check = getattr(connector, "_check_config_and_set_final_flags", None)
-    if check is None:
-        return False  # fallback: Lightning's message as it is
-    if getattr(check, "_lightning_mgpu_hint", False):
-        return True
-
-    @functools.wraps(check)
-    def check_with_hint(self: Any, strategy: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return check(self, strategy, *args, **kwargs)
-        except ValueError as err:
-            hint = unknown_strategy_message(strategy) if isinstance(strategy, str) else None
-            if hint is None or "strategy name" not in str(err):
-                raise
+    def add_hint(strategy: Any, err: ValueError) -> None:
+        hint = unknown_strategy_message(strategy) if isinstance(strategy, str) else None
+        if hint is not None and "strategy name" in str(err):
             err.args = (f"{err}\n{hint}", *err.args[1:])  # Lightning's error, once, with the hint added
-            raise
 
-    check_with_hint._lightning_mgpu_hint = True  # type: ignore[attr-defined]
-    connector._check_config_and_set_final_flags = check_with_hint  # type: ignore[union-attr]
-    return True
+    return compat.install_strategy_flag_hint(add_hint)
 
 
 __all__ = [

@@ -1,12 +1,10 @@
 """DataParallel for the Lightning 2.x Trainer: one process, the batch split across the GPUs it sees."""
 
-import inspect
 import logging
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -25,17 +23,11 @@ from torch import Tensor, nn
 from torch.nn.parallel import DataParallel
 from typing_extensions import override
 
-from lightning_mgpu.strategies.choice import StrategyChoice
-from lightning_mgpu.utilities.replica_outputs import (
-    LogCall,
-    ReplicaRecord,
-    merge_log_calls,
-    merge_replica_outputs,
-)
+from lightning_mgpu import compat
+from lightning_mgpu.utilities.step_pieces import LogCall, capture_logs, merge_outputs, replay_logs
+from lightning_mgpu.utilities.strategy_choice import StrategyChoice
 
 log = logging.getLogger(__name__)
-
-_LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
 
 
 class DataParallelStrategy(ParallelStrategy):
@@ -129,6 +121,7 @@ class DataParallelStrategy(ParallelStrategy):
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
+        compat.check_lightning_internals(trainer, type(self).__name__)
         module = self.lightning_module
         assert module is not None and self.accelerator is not None
         self._check_supported(module)
@@ -149,7 +142,7 @@ class DataParallelStrategy(ParallelStrategy):
                 f"{type(self).__name__} supports automatic optimization only: with manual optimization the "
                 "optimizer step would run inside every replica. Use DDP (strategy='mgpu_ddp') instead."
             )
-        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules()):
+        if any(isinstance(m, compat.BatchNormBase) for m in module.modules()):
             rank_zero_warn(
                 f"{type(self).__name__}: BatchNorm statistics are computed per replica (per GPU) and the running "
                 "statistics kept are the first replica's. Use DDP with sync_batchnorm for statistics over the "
@@ -181,7 +174,7 @@ class DataParallelStrategy(ParallelStrategy):
         module = self.lightning_module
         if module is None:
             return batch
-        return module._call_batch_hook("on_after_batch_transfer", batch, dataloader_idx)
+        return compat.call_batch_hook(module, "on_after_batch_transfer", batch, dataloader_idx)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -210,8 +203,7 @@ class DataParallelStrategy(ParallelStrategy):
         # drops inference mode: the replicas restore both from here
         self._recorder.thread_state = _ThreadState.capture(self.root_device.type)
         output = self.model(step_name, *args, **kwargs)
-        for call in merge_log_calls(self._recorder.records(), self.root_device):
-            self.lightning_module.log(call.name, call.value, **call.kwargs)
+        replay_logs(self.lightning_module, self._recorder.calls(), step_name, self.root_device)
         return output
 
     @override
@@ -247,32 +239,27 @@ class _ReplicaRecorder:
     """Collects each replica's batch size and ``self.log`` calls for one step; replicas write distinct keys."""
 
     def __init__(self) -> None:
-        self._records: dict[int, ReplicaRecord] = {}
+        self._records: dict[int, tuple[int, list[LogCall]]] = {}
         self.thread_state = _ThreadState()
 
     def reset(self) -> None:
         self._records = {}
 
-    def records(self) -> list[ReplicaRecord]:
-        return [self._records[index] for index in sorted(self._records)]
+    def calls(self) -> list[LogCall]:
+        return [call for index in sorted(self._records) for call in self._records[index][1]]
 
     def batch_sizes(self, count: int) -> list[int]:
-        records = self.records()
-        if len(records) != count:
-            raise RuntimeError(f"expected {count} replica records, found {len(records)}")
-        return [record.batch_size for record in records]
+        if len(self._records) != count:
+            raise RuntimeError(f"expected {count} replica records, found {len(self._records)}")
+        return [self._records[index][0] for index in sorted(self._records)]
 
     @contextmanager
     def recording(self, replica: "pl.LightningModule", index: int, batch_size: int) -> Iterator[None]:
-        record = ReplicaRecord(batch_size=batch_size)
-        self._records[index] = record  # one key per replica thread: no lock needed
-        # an instance attribute shadows LightningModule.log on this replica only; log_dict goes through it too
-        replica.__dict__["log"] = partial(_record_log_call, record)
-        try:
-            with self.thread_state.restored():
-                yield
-        finally:
-            replica.__dict__.pop("log", None)
+        calls: list[LogCall] = []
+        self._records[index] = (batch_size, calls)  # one key per replica thread: no lock needed
+        with capture_logs(replica, calls, batch_size), self.thread_state.restored():
+            yield
+        _refuse_metrics(calls)
 
 
 @dataclass
@@ -309,18 +296,16 @@ def _batch_size(batch: Any) -> int:
             return 1
 
 
-def _record_log_call(record: ReplicaRecord, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+def _refuse_metrics(calls: list[LogCall]) -> None:
     from torchmetrics import Metric
 
-    if isinstance(value, Metric):
-        raise MisconfigurationException(
-            f"self.log({name!r}, <{type(value).__name__}>) inside a step is not supported under "
-            "DataParallelStrategy: the metric's state is updated in a replica that is discarded after the step. "
-            "Log the value returned by calling the metric, or use DDP."
-        )
-    bound = _LOG_SIGNATURE.bind(None, name, value, *args, **kwargs)
-    options = {key: val for key, val in bound.arguments.items() if key not in ("self", "name", "value")}
-    record.calls.append(LogCall(name=name, value=value, kwargs=options))
+    for call in calls:
+        if isinstance(call.value, Metric):
+            raise MisconfigurationException(
+                f"self.log({call.name!r}, <{type(call.value).__name__}>) inside a step is not supported under "
+                "DataParallelStrategy: the metric's state is updated in a replica that is discarded after the step. "
+                "Log the value returned by calling the metric, or use DDP."
+            )
 
 
 class _ReplicaStepModule(nn.Module):
@@ -346,9 +331,7 @@ def _point_device_attributes_at_parameters(replica: nn.Module) -> None:
     parameter = next(replica.parameters(), None)
     if parameter is None:
         return
-    for module in replica.modules():
-        if "_device" in module.__dict__ and module.__dict__["_device"] != parameter.device:
-            module.__dict__["_device"] = parameter.device
+    compat.point_device_at(replica, parameter.device)
 
 
 class _ReplicaDataParallel(DataParallel):
@@ -370,4 +353,4 @@ class _ReplicaDataParallel(DataParallel):
     @override
     def gather(self, outputs: Any, output_device: int | torch.device) -> Any:
         weights = self.module.recorder.batch_sizes(len(outputs))
-        return merge_replica_outputs(outputs, weights, output_device)
+        return merge_outputs(outputs, weights, output_device)

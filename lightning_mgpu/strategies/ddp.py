@@ -3,7 +3,7 @@
 import difflib
 import functools
 import inspect
-import time
+import os
 from datetime import timedelta
 from typing import Any, Literal, TypeAlias, get_args
 
@@ -11,7 +11,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.plugins.precision import Precision
@@ -21,21 +20,18 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_mgpu.strategies.bucket_tuning import (
-    MIN_TIMED_STEPS,
-    PAYBACK_FACTOR,
-    SETTLE_STEPS,
-    WARMUP_STEPS,
-    BucketTuner,
-    BucketTuningResult,
-    Trial,
-    bucket_candidates,
+from lightning_mgpu import compat
+from lightning_mgpu.strategies.ddp_bucket_tuning import (
+    BUCKET_TUNING_CHECKPOINT_KEY,
+    MIN_BUCKET_TUNING_STEPS,
+    DDPBucketTuning,
 )
-from lightning_mgpu.strategies.choice import StrategyChoice
 from lightning_mgpu.strategies.preemption import SigtermAgreement
 from lightning_mgpu.strategies.sync_batchnorm import DeviceAgnosticSyncBatchNorm
+from lightning_mgpu.utilities.bucket_tuning import BucketTuningResult
 from lightning_mgpu.utilities.comm_hooks import COMM_HOOK_NAMES, CommHookName, register_comm_hook
 from lightning_mgpu.utilities.distributed_batchnorm import has_batchnorm
+from lightning_mgpu.utilities.strategy_choice import StrategyChoice
 from lightning_mgpu.utilities.validation import check_bool, check_choice, check_int, check_positive
 
 SyncBatchNormSetting: TypeAlias = bool | Literal["auto"]
@@ -43,17 +39,30 @@ StartMethod: TypeAlias = Literal["popen", "spawn", "fork", "forkserver"]
 BucketCapSetting: TypeAlias = float | Literal["auto"] | None
 CommHookSetting: TypeAlias = CommHookName | Literal["auto"] | None
 TunableCommHook: TypeAlias = Literal["fp16", "bf16"]
+CheckpointPath: TypeAlias = str | os.PathLike[str]
 
 TUNABLE_COMM_HOOKS: tuple[str, ...] = ("fp16", "bf16")
-# the key under which the tuning result travels in a Lightning checkpoint
-BUCKET_TUNING_CHECKPOINT_KEY = "lightning_mgpu_bucket_tuning"
-# the smallest budget that times two settings with MIN_TIMED_STEPS each
-MIN_BUCKET_TUNING_STEPS = WARMUP_STEPS + 2 * (SETTLE_STEPS + MIN_TIMED_STEPS)
+
+# the checkpoint key and the budget floor live with the tuning; importable from here, with the options they belong to
+__all__ = [
+    "BUCKET_TUNING_CHECKPOINT_KEY",
+    "MIN_BUCKET_TUNING_STEPS",
+    "TUNABLE_COMM_HOOKS",
+    "BucketCapSetting",
+    "CheckpointPath",
+    "CommHookSetting",
+    "DDPStrategy",
+    "StartMethod",
+    "SyncBatchNormSetting",
+    "TunableCommHook",
+    "ddp_keyword_arguments",
+]
+
 # how DistributedDataParallel's error for parameters that got no gradient begins (the text Lightning matches too)
 _UNUSED_PARAMETERS_ERROR = "Expected to have finished reduction in the prior iteration"
 
 
-class DDPStrategy(LightningDDPStrategy):
+class DDPStrategy(compat.DDPStrategyBase):
     """Lightning's DDPStrategy whose options are plain values, so a strategy name or a YAML config can set them.
 
     Additions over Lightning's DDP:
@@ -194,19 +203,13 @@ class DDPStrategy(LightningDDPStrategy):
         )
         self.sync_batchnorm = sync_batchnorm
         self.bucket_cap_mb = bucket_cap_mb
-        self._configured_bucket_cap = ddp_kwargs.get("bucket_cap_mb")
         self.bucket_tuning_steps = bucket_tuning_steps
         self.comm_hook = comm_hook
         self.comm_hook_candidates = hook_candidates
         # what bucket_cap_mb="auto" / comm_hook="auto" settled on; None until the first training batch
         self.bucket_tuning: BucketTuningResult | None = None
-        self._tuner: BucketTuner | None = None
-        self._tuning_step: int | None = None  # the global step the tuner last saw
-        self._tuning_marker: tuple[int, int] | None = None  # (epoch, validation runs) when that step started
-        self._tuning_disabled_reason: str | None = None
+        self._tuning = DDPBucketTuning(self)
         self._sync_batchnorm_declined: str | None = None
-        self._restored_tuning: BucketTuningResult | None = None
-        self._active_comm_hook: str | None = None if comm_hook == "auto" else comm_hook
         self.powersgd_rank = powersgd_rank
         self.powersgd_warmup_steps = powersgd_warmup_steps
         self.choice: StrategyChoice | None = None
@@ -215,7 +218,7 @@ class DDPStrategy(LightningDDPStrategy):
     @property
     def ddp_kwargs(self) -> dict[str, Any]:
         """A copy of the keyword arguments ``DistributedDataParallel`` is built with (the bucket size in use)."""
-        return dict(self._ddp_kwargs)
+        return dict(compat.ddp_kwargs(self))
 
     @property
     def tunes_buckets(self) -> bool:
@@ -230,7 +233,7 @@ class DDPStrategy(LightningDDPStrategy):
         Args:
             reason: why, for the log line and :attr:`bucket_tuning`.
         """
-        self._tuning_disabled_reason = reason
+        self._tuning.disable(reason)
 
     def decline_auto_sync_batchnorm(self, reason: str) -> None:
         """Leave BatchNorm local for the next fit when ``sync_batchnorm="auto"``; an explicit ``True`` is kept.
@@ -246,16 +249,9 @@ class DDPStrategy(LightningDDPStrategy):
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
-        self._layer_sync = self._choose_layer_sync()
-        self._tuner, self._tuning_step, self._tuning_marker = None, None, None
-        restored, self._restored_tuning = self._restored_tuning, None
-        if self.tunes_buckets and trainer.state.fn == TrainerFn.FITTING:
-            # a fit starts from the configured setting, whatever trial an earlier fit on this strategy stopped in
-            self.bucket_tuning = None
-            self._set_bucket_cap(self._configured_bucket_cap)
-            self._active_comm_hook = None if self.comm_hook == "auto" else self.comm_hook
-            if restored is not None:
-                self._apply_restored_tuning(restored)  # before DDP wraps the model: it wraps once, with this
+        compat.check_lightning_internals(trainer, type(self).__name__)
+        compat.set_layer_sync(self, self._choose_layer_sync())
+        self._tuning.setup(trainer)  # before DDP wraps the model: it wraps once, with the setting chosen here
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self._sigterm_agreement = SigtermAgreement.for_trainer(trainer)
@@ -291,8 +287,7 @@ class DDPStrategy(LightningDDPStrategy):
         if self._sigterm_agreement is not None:
             self._sigterm_agreement.uninstall()
             self._sigterm_agreement = None
-        self._tuner = None
-        self._tuning_disabled_reason = None
+        self._tuning.teardown()
         super().teardown()
 
     @override
@@ -300,156 +295,34 @@ class DDPStrategy(LightningDDPStrategy):
         super().on_train_batch_start(batch, batch_idx)
         if self._sigterm_agreement is not None:
             self._sigterm_agreement.at_train_batch_start()
-        if not self.tunes_buckets or (self.bucket_tuning is not None and self._tuner is None):
-            return
-        trainer = self.lightning_module.trainer
-        if trainer.global_step == self._tuning_step:
-            return  # the same optimizer step, accumulating
-        self._tuning_step = trainer.global_step
-        if self.bucket_tuning is None and self._tuner is None:
-            self._start_tuning(trainer)
-        if self._tuner is not None:
-            self._tuning_step_started(trainer)
+        self._tuning.on_train_batch_start()
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        if self.bucket_tuning is not None and self.bucket_tuning.tuned:
-            checkpoint[BUCKET_TUNING_CHECKPOINT_KEY] = self.bucket_tuning.state_dict()
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: CheckpointPath, storage_options: Any | None = None
+    ) -> None:
+        self._tuning.save(checkpoint)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: CheckpointPath, *args: Any, **kwargs: Any) -> dict[str, Any]:
         # forwards whatever this Lightning's signature takes: `weights_only` arrived in 2.6
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        state = checkpoint.get(BUCKET_TUNING_CHECKPOINT_KEY)
-        self._restored_tuning = BucketTuningResult.restored(state) if isinstance(state, dict) else None
+        self._tuning.load(checkpoint)
         return checkpoint
 
-    # ------------------------------------------------------------------------------------ bucket_cap_mb="auto"
-    def _apply_restored_tuning(self, restored: BucketTuningResult) -> None:
-        fixed_hook = None if self.comm_hook == "auto" else self.comm_hook
-        matches = (
-            restored.world_size == self.world_size
-            and (self.comm_hook == "auto" or restored.comm_hook == fixed_hook)
-            and (self.bucket_cap_mb == "auto" or restored.bucket_cap_mb == self._configured_bucket_cap)
-        )
-        if not matches:
-            rank_zero_info(
-                f"{type(self).__name__}: the checkpoint's tuned DDP setting ({restored.world_size} processes, "
-                f"{Trial(restored.bucket_cap_mb, restored.comm_hook).label}) was not taken with this run's processes "
-                "and fixed settings; tuning again."
-            )
-            return
-        if self.bucket_cap_mb == "auto":
-            self._set_bucket_cap(restored.bucket_cap_mb)
-        if self.comm_hook == "auto":
-            self._active_comm_hook = restored.comm_hook
-        self.bucket_tuning = restored
-        rank_zero_info(f"{type(self).__name__}: tuned DDP setting {restored.summary()}.")
+    @property
+    def _restored_tuning(self) -> BucketTuningResult | None:
+        """The tuned setting read from the checkpoint the next fit resumes from, if any."""
+        return self._tuning.restored
 
-    def _tuning_skip_reason(self, trainer: "pl.Trainer", bucket_sizes: list[float | None]) -> str | None:
-        if self._tuning_disabled_reason is not None:
-            return self._tuning_disabled_reason
-        if trainer.state.fn != TrainerFn.FITTING or not isinstance(self.model, DistributedDataParallel):
-            return "not fitting with DDP"
-        if self.comm_hook == "powersgd":
-            return "comm_hook='powersgd' keeps error feedback per bucket, which a re-wrap would lose"
-        if self._ddp_comm_hook is not None or self._ddp_comm_state is not None or self._model_averaging_period:
-            return "a ddp_comm_hook, ddp_comm_state or model averaging set through Lightning keeps state per bucket"
-        if self.world_size < 2:
-            return "one process: no gradients are communicated"
-        steps_left = trainer.estimated_stepping_batches - trainer.global_step
-        if steps_left < PAYBACK_FACTOR * self.bucket_tuning_steps:
-            return (
-                f"the fit has {steps_left:g} optimizer steps left, fewer than {PAYBACK_FACTOR} x "
-                f"bucket_tuning_steps ({self.bucket_tuning_steps}) needed to pay tuning back"
-            )
-        if len(bucket_sizes) == 1 and not (self.comm_hook == "auto" and self.comm_hook_candidates):
-            return "one bucket holds every gradient whatever the size: nothing to choose"
-        return None
-
-    def _start_tuning(self, trainer: "pl.Trainer") -> None:
-        fixed_hook = None if self.comm_hook == "auto" else self.comm_hook
-        current_size = self._ddp_kwargs.get("bucket_cap_mb")
-        if self.bucket_cap_mb == "auto":
-            trainable = (p for p in self.lightning_module.parameters() if p.requires_grad)
-            bucket_sizes = bucket_candidates(sum(p.numel() * p.element_size() for p in trainable) / 2**20)
-        else:
-            bucket_sizes = [current_size]
-        hooks = list(self.comm_hook_candidates) if self.comm_hook == "auto" else []
-        reason = self._tuning_skip_reason(trainer, bucket_sizes)
-        if self.world_size > 1:
-            # ranks may see different loader lengths: rank 0's view decides, or some ranks would tune alone
-            reason, bucket_sizes = self.broadcast((reason, bucket_sizes), src=0)
-        if reason is not None:
-            self.bucket_tuning = BucketTuningResult(
-                current_size, self._active_comm_hook, reason, world_size=self.world_size
-            )
-            rank_zero_info(f"{type(self).__name__}: bucket tuning {self.bucket_tuning.summary()}.")
-            return
-        self._tuner = BucketTuner(bucket_sizes, hooks, fixed_hook, self.bucket_tuning_steps, self.world_size)
-        if self._tuner.current != Trial(current_size, self._active_comm_hook):
-            self._rewrap_ddp(self._tuner.current)
-
-    def _tuning_step_started(self, trainer: "pl.Trainer") -> None:
-        tuner = self._tuner
-        assert tuner is not None
-        if self.root_device.type == "cuda":
-            torch.cuda.synchronize(self.root_device)  # time the GPU's work, not how fast the host queued it
-        now = time.perf_counter()
-        # a step that also ran validation or ended an epoch is not timed
-        marker = (trainer.current_epoch, trainer.fit_loop.epoch_loop.val_loop.batch_progress.total.completed)
-        discard, self._tuning_marker = marker != self._tuning_marker, marker
-        switch = tuner.step_started(now, discard=discard)
-        if tuner.needs_decision:
-            # rank 0's timings decide on every rank: one broadcast, at the same step everywhere
-            switch = tuner.decide(self.broadcast(tuner.timings(), src=0), now)
-        if switch is not None:
-            self._rewrap_ddp(switch)
-        if tuner.result is not None:
-            self._tuner = None
-            self.bucket_tuning = tuner.result
-            self._log_tuning(trainer, tuner.result)
-
-    def _rewrap_ddp(self, trial: Trial) -> None:
-        assert isinstance(self.model, DistributedDataParallel)
-        module = self.model.module
-        self.model = module  # the old wrapper's buckets are freed before the new ones are allocated
-        kept_kwargs = self._ddp_kwargs
-        self._ddp_kwargs = dict(kept_kwargs, init_sync=False)  # the parameters are equal on every rank already
-        self._set_bucket_cap(trial.bucket_cap_mb)
-        try:
-            self.model = self._setup_model(module)
-        except BaseException:
-            self._ddp_kwargs = kept_kwargs  # the fit is failing: leave the settings as they were
-            raise
-        self._ddp_kwargs.pop("init_sync")
-        self._active_comm_hook = trial.comm_hook
-        self._register_ddp_hooks()
-        # Lightning flushes a static graph's first all-reduce once per strategy under manual optimization
-        self._pl_static_graph_delay_done = False
-        if self.root_device.type == "cuda":
-            torch.cuda.synchronize(self.root_device)  # gradients copied into the new buckets on the wrap's stream
-
-    def _set_bucket_cap(self, bucket_cap_mb: float | None) -> None:
-        if bucket_cap_mb is None:
-            self._ddp_kwargs.pop("bucket_cap_mb", None)
-        else:
-            self._ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
-
-    def _log_tuning(self, trainer: "pl.Trainer", result: BucketTuningResult) -> None:
-        rank_zero_info(f"{type(self).__name__}: bucket tuning {result.summary()}.")
-        metrics = {
-            "ddp/bucket_cap_mb": result.effective_bucket_cap_mb,
-            "ddp/bucket_tuning_seconds": result.tuning_seconds,
-            "ddp/bucket_tuning_speedup": result.speedup or 1.0,
-        }
-        metrics.update({f"ddp/bucket_trial_ms/{label}": ms for label, ms in result.step_ms.items()})
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+    @property
+    def _active_comm_hook(self) -> str | None:
+        """The comm hook registered on DDP's current wrapper (the fixed one, or ``comm_hook="auto"``'s)."""
+        return self._tuning.active_comm_hook
 
     def _choose_layer_sync(self) -> LayerSync | None:
-        trainer_plugin = self._layer_sync  # the Trainer's: TorchSyncBatchNorm for Trainer(sync_batchnorm=True)
+        trainer_plugin = compat.layer_sync(self)  # the Trainer's: TorchSyncBatchNorm for Trainer(sync_batchnorm=True)
         if trainer_plugin is not None and not isinstance(trainer_plugin, TorchSyncBatchNorm):
             return trainer_plugin  # a LayerSync of the user's own choosing
         wanted = True if trainer_plugin is not None else self.sync_batchnorm
@@ -470,17 +343,18 @@ class DDPStrategy(LightningDDPStrategy):
         return DeviceAgnosticSyncBatchNorm() if wanted else None
 
     @override
-    def _register_ddp_hooks(self) -> None:
-        if self._active_comm_hook is None:
-            super()._register_ddp_hooks()
-            return
+    def register_own_comm_hook(self) -> bool:
+        hook = self._active_comm_hook
+        if hook is None:
+            return False  # Lightning registers its ddp_comm_hook, if one was given
         assert isinstance(self.model, DistributedDataParallel)
         register_comm_hook(
             self.model,
-            self._active_comm_hook,  # type: ignore[arg-type]
+            hook,  # type: ignore[arg-type]
             powersgd_rank=self.powersgd_rank,
             powersgd_warmup_steps=self.powersgd_warmup_steps,
         )
+        return True
 
 
 # passed by Lightning's DDPStrategy itself when it wraps the model

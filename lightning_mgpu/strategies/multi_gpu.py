@@ -12,16 +12,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_mgpu.strategies.choice import (
-    MODES,
-    LaunchContext,
-    ModeOrAuto,
-    StrategyChoice,
-    choose_strategy,
-    cuda_is_initialized,
-    force_mode,
-    is_interactive,
-)
+from lightning_mgpu import compat
 from lightning_mgpu.strategies.data_parallel import DataParallelStrategy
 from lightning_mgpu.strategies.ddp import (
     BucketCapSetting,
@@ -32,6 +23,16 @@ from lightning_mgpu.strategies.ddp import (
 )
 from lightning_mgpu.strategies.single_device import SingleDeviceStrategy
 from lightning_mgpu.utilities.devices import accelerator_name
+from lightning_mgpu.utilities.strategy_choice import (
+    MODES,
+    LaunchContext,
+    ModeOrAuto,
+    StrategyChoice,
+    choose_strategy,
+    cuda_is_initialized,
+    force_mode,
+    is_interactive,
+)
 from lightning_mgpu.utilities.validation import check_choice
 
 _START_METHODS = {"ddp": "popen", "ddp_spawn": "spawn", "ddp_fork": "fork"}
@@ -151,20 +152,21 @@ class MultiGPUStrategy(DDPStrategy):
             **kwargs,
         )
         self.mode = mode
+        compat.check_launch_hook(self)
 
     @override
-    def _configure_launcher(self) -> None:
-        # the Trainer's connector calls this last, once accelerator, devices, cluster environment and num_nodes
-        # are set: the first moment everything the choice depends on is known
+    def before_launch(self) -> bool:
+        # Lightning's connector calls this last, once accelerator, devices, cluster environment and num_nodes are
+        # set: the first moment everything the choice depends on is known
         if self.choice is None:
             context = self.launch_context()
             self.choice = choose_strategy(context) if self.mode == "auto" else force_mode(self.mode, context)
             rank_zero_info(f"{type(self).__name__} chose {self.choice.mode!r}: {self.choice.reason}.")
         if self.choice.mode not in _START_METHODS:
             self._become_other_strategy(self.choice)
-            return
-        self._start_method = _START_METHODS[self.choice.mode]
-        super()._configure_launcher()
+            return False
+        compat.set_start_method(self, _START_METHODS[self.choice.mode])
+        return True
 
     def launch_context(self) -> LaunchContext:
         """Describe the hardware and launch context this strategy was configured with."""
@@ -184,17 +186,10 @@ class MultiGPUStrategy(DDPStrategy):
     def _become_other_strategy(self, choice: StrategyChoice) -> None:
         # The Trainer holds on to this object, so it turns into the chosen strategy in place. Only what the
         # connector has set so far carries over; everything else starts fresh from that class's __init__.
-        plugins = {
-            "accelerator": self.accelerator,
-            "checkpoint_io": self._checkpoint_io,
-            "precision_plugin": self._precision_plugin,
-        }
+        plugins = compat.strategy_plugins(self)
         devices = list(self.parallel_devices or [torch.device("cpu")])
-        self.__dict__.clear()
         if choice.mode == "dp":
-            self.__class__ = DataParallelStrategy  # type: ignore[assignment]
-            DataParallelStrategy.__init__(self, parallel_devices=devices, **plugins)  # type: ignore[arg-type]
+            compat.become(self, DataParallelStrategy, parallel_devices=devices, **plugins)
         else:
-            self.__class__ = SingleDeviceStrategy  # type: ignore[assignment]
-            SingleDeviceStrategy.__init__(self, device=devices[0], **plugins)
+            compat.become(self, SingleDeviceStrategy, device=devices[0], **plugins)
         self.choice = choice

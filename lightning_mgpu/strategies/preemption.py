@@ -14,23 +14,21 @@ waiting in a barrier for the process group's timeout.
 
 import logging
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from types import FrameType
 from typing import Any
 
-import lightning
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
-from packaging.version import Version
+
+from lightning_mgpu import compat
 
 log = logging.getLogger(__name__)
 
-# Lightning releases whose training loop and signal connector internals this replaces, as tested: the two names it
-# patches (probed below) are unchanged from 2.5.2 through 2.6.x; CI runs the tests on the newest 2.5 and 2.6 patches
-TESTED_LIGHTNING_RANGE = ("2.5.2", "2.7")  # lowest tested release, first untested minor
 _KEY = "stop_batch"
 # the store is read every this many batches: a lookup costs 0.3-0.6 ms per step on 2 busy CPU processes
 CHECK_INTERVAL = 4
@@ -107,6 +105,7 @@ class SigtermAgreement:
         self.published = False
         self.stop_batch: int | None = None
         self._trainer: pl.Trainer | None = None
+        self._undo_run_end: Callable[[], None] | None = None
 
     @classmethod
     def for_trainer(cls, trainer: "pl.Trainer") -> "SigtermAgreement | None":
@@ -116,7 +115,7 @@ class SigtermAgreement:
             log.debug(f"lightning_mgpu: keeping Lightning's per-step SIGTERM broadcast: {reason}")
             return None
         cls._fits += 1
-        default_store = dist.distributed_c10d._get_default_store()
+        default_store = compat.default_store()
         return cls(
             dist.PrefixStore(f"lightning_mgpu/sigterm/{cls._fits}/", default_store),
             cuda=trainer.strategy.root_device.type == "cuda",
@@ -128,27 +127,19 @@ class SigtermAgreement:
     def install(self, trainer: "pl.Trainer") -> None:
         """Take over the per-batch check and the SIGTERM notifier of this trainer instance only."""
         self._trainer = trainer
-        # instance attributes shadow the class's methods for this trainer only; the signal connector builds its
-        # handler from `_sigterm_notifier_fn` when the fit registers handlers, after strategy.setup
-        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self.at_batch_boundary
-        trainer._signal_connector._sigterm_notifier_fn = self.on_sigterm
-        run_end = trainer.fit_loop.on_run_end
-
-        def leave_training_loop() -> Any:
-            # whatever ended the loop (the data, max_steps, a Timer, EarlyStopping, should_stop): this rank's last
-            # batch is behind it, so the meeting waits for it while callbacks' on_train_end hooks run
-            self.publish_possibly_last_batch()
-            return run_end()
-
-        trainer.fit_loop.on_run_end = leave_training_loop
+        compat.replace_sigterm_handling(trainer, self.at_batch_boundary, self.on_sigterm)
+        # whatever ends the loop (the data, max_steps, a Timer, EarlyStopping, should_stop): this rank's last batch
+        # is behind it, so the meeting waits for it while callbacks' on_train_end hooks run
+        self._undo_run_end = compat.run_before_leaving_training(trainer, self.publish_possibly_last_batch)
 
     def uninstall(self) -> None:
         """Give the trainer its stock behaviour back."""
         trainer = self._trainer
         if trainer is not None:
-            trainer.fit_loop.epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
-            trainer.fit_loop.__dict__.pop("on_run_end", None)
-            trainer._signal_connector.__dict__.pop("_sigterm_notifier_fn", None)
+            compat.restore_sigterm_handling(trainer)
+        if self._undo_run_end is not None:
+            self._undo_run_end()
+            self._undo_run_end = None
         self._trainer = None
 
     def on_sigterm(self, signum: int, frame: FrameType | None) -> None:
@@ -226,7 +217,7 @@ class SigtermAgreement:
     def _raise_sigterm(self) -> None:
         trainer = self._trainer
         if trainer is not None:
-            trainer._signal_connector.received_sigterm = True
+            compat.mark_sigterm_received(trainer)
             log.info(rank_prefixed_message(f"Stopping at batch {self.batch} after a SIGTERM", trainer.local_rank))
         raise SIGTERMException()
 
@@ -304,7 +295,8 @@ class SigtermAgreement:
 def _may_end_the_fit(trainer: "pl.Trainer") -> bool:
     """Whether the batch that has just started may be the fit's last: its epoch's last, or the step ``max_steps``.
 
-    Reads the training epoch loop's ``batch_progress`` (probed in :func:`_unsupported_reason`). A fit stopped
+    Reads the training epoch loop's ``batch_progress`` (probed in
+    :func:`~lightning_mgpu.compat.sigterm_internals_missing`). A fit stopped
     mid-epoch otherwise (``trainer.should_stop`` from a Timer or EarlyStopping) publishes when it leaves the training
     loop, so a rank slow in its ``on_train_end`` hooks is waited for; only one slow in a validation run inside such
     a last batch is not, and meets the others under the short :data:`END_OF_FIT_TIMEOUT`.
@@ -315,27 +307,7 @@ def _may_end_the_fit(trainer: "pl.Trainer") -> bool:
     return 0 <= trainer.max_steps <= trainer.global_step + 1
 
 
-def _lightning_is_tested(version: str) -> bool:
-    lowest, first_untested = TESTED_LIGHTNING_RANGE
-    return Version(lowest) <= Version(Version(version).base_version) < Version(first_untested)
-
-
 def _unsupported_reason(trainer: "pl.Trainer") -> str | None:
-    if not _lightning_is_tested(lightning.__version__):
-        lowest, first_untested = TESTED_LIGHTNING_RANGE
-        return f"Lightning {lightning.__version__} is outside the tested range >={lowest},<{first_untested}"
     if not (dist.is_available() and dist.is_initialized()) or trainer.world_size <= 1:
         return "no process group of more than one process"
-    epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-    if not hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
-        return "this Lightning's training loop has no per-step SIGTERM broadcast"
-    progress = getattr(epoch_loop, "batch_progress", None)
-    if not (hasattr(progress, "is_last_batch") and hasattr(getattr(progress, "current", None), "ready")):
-        return "this Lightning's training loop keeps its batch progress differently"
-    if not callable(getattr(trainer.fit_loop, "on_run_end", None)):
-        return "this Lightning's fit loop has no on_run_end"
-    if not hasattr(getattr(trainer, "_signal_connector", None), "_sigterm_notifier_fn"):
-        return "this Lightning's signal connector differs"
-    if not hasattr(dist.distributed_c10d, "_get_default_store"):
-        return "this torch has no default store"
-    return None
+    return compat.sigterm_internals_missing(trainer)

@@ -4,7 +4,7 @@ from typing import Any
 
 from lightning.pytorch.strategies import SingleDeviceStrategy as LightningSingleDeviceStrategy
 
-from lightning_mgpu.strategies.choice import StrategyChoice
+from lightning_mgpu.utilities.strategy_choice import StrategyChoice
 
 
 class SingleDeviceStrategy(LightningSingleDeviceStrategy):

@@ -1,9 +1,10 @@
-"""Cut a batch into micro-batches and glue the micro-batches' step outputs back together.
+"""Cut a batch into micro-batches, and the rules for rebuilding the collections a batch is made of.
 
 Pure functions on nested collections (tensors, mappings, lists, tuples, namedtuples, dataclass instances) for a
 callback that recovers from a CUDA out-of-memory error by running the same batch in smaller pieces. A tensor's
 first dimension is the sample dimension when it equals the batch size; tensors are cut with slicing views, so
-splitting copies no tensor data.
+splitting copies no tensor data. Gluing the pieces' step outputs back together is
+:func:`lightning_mgpu.utilities.step_pieces.merge_outputs`, which rebuilds collections with the helpers here.
 """
 
 import dataclasses
@@ -11,7 +12,6 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import Tensor
 
 
@@ -112,73 +112,31 @@ def slice_batch(batch: Any, start: int, stop: int) -> Any:
     return _slice(batch, start, stop, size)
 
 
-def combine_outputs(outputs: list[Any], samples: list[int]) -> Any:
-    """Glue the step outputs of consecutive micro-batches into the output the whole batch would have given.
-
-    Tensors with a batch dimension are concatenated along it (predictions keep their order); scalars (a 0-dim
-    tensor, a Python number) are averaged, weighted by the samples, which gives the batch's value for a mean such as
-    a loss or an accuracy; a list or tuple of plain items (file names) is concatenated; mappings, namedtuples,
-    lists, tuples and dataclass instances are combined entry by entry; anything else (a string, None) is taken from
-    the first micro-batch.
-
-    Args:
-        outputs: one output per micro-batch, in order, all of the same structure.
-        samples: the number of samples of each micro-batch.
-
-    Example::
-
-        >>> combine_outputs([{"pred": torch.zeros(2), "loss": torch.tensor(1.0)},
-        ...                  {"pred": torch.ones(1), "loss": torch.tensor(4.0)}], [2, 1])
-        {'pred': tensor([0., 0., 1.]), 'loss': tensor(2.)}
-    """
-    if len(outputs) != len(samples):
-        raise ValueError(f"got {len(outputs)} outputs but {len(samples)} sample counts")
-    if len(outputs) == 1:
-        return outputs[0]
-    first = outputs[0]
-    if isinstance(first, Tensor):
-        if first.dim() == 0:
-            stacked = torch.stack([o.detach().double() for o in outputs])
-            weights = torch.tensor(samples, dtype=torch.float64, device=stacked.device)
-            return ((stacked * weights).sum() / weights.sum()).to(first.dtype)
-        return torch.cat(list(outputs), dim=0)
-    if isinstance(first, (int, float)) and not isinstance(first, bool):
-        return float(sum(o * n for o, n in zip(outputs, samples, strict=True)) / sum(samples))
-    if isinstance(first, Mapping):
-        return _rebuild_mapping(first, {key: combine_outputs([o[key] for o in outputs], samples) for key in first})
-    if _is_dataclass_instance(first):
-        values = {name: combine_outputs([getattr(o, name) for o in outputs], samples) for name in _init_fields(first)}
-        return _rebuild_dataclass(first, values)
-    if isinstance(first, (list, tuple)):
-        if _is_flat_sequence(first) and not _is_namedtuple(first):
-            return _rebuild_sequence(first, [item for output in outputs for item in output])
-        combined = [combine_outputs([o[i] for o in outputs], samples) for i in range(len(first))]
-        return _rebuild_sequence(first, combined)
-    return first
-
-
-def _is_namedtuple(obj: Any) -> bool:
+def is_namedtuple(obj: Any) -> bool:
+    """Whether ``obj`` is a namedtuple instance (a record: never cut or joined as a per-sample list)."""
     return isinstance(obj, tuple) and hasattr(obj, "_fields")
 
 
-def _is_dataclass_instance(obj: Any) -> bool:
+def is_dataclass_instance(obj: Any) -> bool:
+    """Whether ``obj`` is an instance of a dataclass (not the class itself)."""
     return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
 
 def _is_collection(obj: Any) -> bool:
-    return isinstance(obj, (Mapping, list, tuple)) or _is_dataclass_instance(obj)
+    return isinstance(obj, (Mapping, list, tuple)) or is_dataclass_instance(obj)
 
 
-def _is_flat_sequence(obj: Any) -> bool:
+def is_flat_sequence(obj: Any) -> bool:
     """A list or tuple (not a namedtuple) holding neither tensors nor collections: a candidate per-sample list."""
     return (
         isinstance(obj, (list, tuple))
-        and not _is_namedtuple(obj)
+        and not is_namedtuple(obj)
         and not any(isinstance(item, Tensor) or _is_collection(item) for item in obj)
     )
 
 
-def _init_fields(obj: Any) -> list[str]:
+def init_fields(obj: Any) -> list[str]:
+    """The names of a dataclass instance's ``init`` fields, in declaration order."""
     return [f.name for f in dataclasses.fields(obj) if f.init]
 
 
@@ -189,8 +147,8 @@ def _find_batch_size(obj: Any) -> int | None:
         children: Any = obj.values()
     elif isinstance(obj, (list, tuple)):
         children = obj
-    elif _is_dataclass_instance(obj):
-        children = (getattr(obj, name) for name in _init_fields(obj))
+    elif is_dataclass_instance(obj):
+        children = (getattr(obj, name) for name in init_fields(obj))
     else:
         return None
     for child in children:
@@ -200,7 +158,8 @@ def _find_batch_size(obj: Any) -> int | None:
     return None
 
 
-def _rebuild_mapping(template: Mapping, items: dict[Any, Any]) -> Mapping:
+def rebuild_mapping(template: Mapping, items: dict[Any, Any]) -> Mapping:
+    """``items`` in a mapping of ``template``'s type (a defaultdict keeps its factory), else in a plain dict."""
     if isinstance(template, defaultdict):
         return type(template)(template.default_factory, items)
     try:
@@ -209,8 +168,9 @@ def _rebuild_mapping(template: Mapping, items: dict[Any, Any]) -> Mapping:
         return items
 
 
-def _rebuild_sequence(template: list | tuple, items: list[Any]) -> list | tuple:
-    if _is_namedtuple(template):
+def rebuild_sequence(template: list | tuple, items: list[Any]) -> list | tuple:
+    """``items`` in a sequence of ``template``'s type (namedtuples included), else in a plain list or tuple."""
+    if is_namedtuple(template):
         return type(template)(*items)
     try:
         return type(template)(items)
@@ -218,7 +178,8 @@ def _rebuild_sequence(template: list | tuple, items: list[Any]) -> list | tuple:
         return list(items) if isinstance(template, list) else tuple(items)
 
 
-def _rebuild_dataclass(template: Any, init_values: dict[str, Any]) -> Any:
+def rebuild_dataclass(template: Any, init_values: dict[str, Any]) -> Any:
+    """A copy of dataclass instance ``template`` with ``init_values``; its ``init=False`` fields copied unchanged."""
     rebuilt = dataclasses.replace(template, **init_values)
     for f in dataclasses.fields(template):
         if not f.init and hasattr(template, f.name):
@@ -231,13 +192,13 @@ def _slice(obj: Any, start: int, stop: int, size: int) -> Any:
     if isinstance(obj, Tensor):
         return obj[start:stop] if obj.dim() > 0 and obj.shape[0] == size else obj
     if isinstance(obj, Mapping):
-        return _rebuild_mapping(obj, {key: _slice(value, start, stop, size) for key, value in obj.items()})
+        return rebuild_mapping(obj, {key: _slice(value, start, stop, size) for key, value in obj.items()})
     if isinstance(obj, (list, tuple)):
-        if len(obj) == size and _is_flat_sequence(obj):
-            return _rebuild_sequence(obj, list(obj[start:stop]))
-        return _rebuild_sequence(obj, [_slice(item, start, stop, size) for item in obj])
-    if _is_dataclass_instance(obj):
-        return _rebuild_dataclass(
-            obj, {name: _slice(getattr(obj, name), start, stop, size) for name in _init_fields(obj)}
+        if len(obj) == size and is_flat_sequence(obj):
+            return rebuild_sequence(obj, list(obj[start:stop]))
+        return rebuild_sequence(obj, [_slice(item, start, stop, size) for item in obj])
+    if is_dataclass_instance(obj):
+        return rebuild_dataclass(
+            obj, {name: _slice(getattr(obj, name), start, stop, size) for name in init_fields(obj)}
         )
     return obj

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lightning_mgpu import compat
 from lightning_mgpu.utilities.validation import check_number
 
 
@@ -42,7 +43,7 @@ def scale_grads_(grads: Sequence[Tensor], coefficient: Tensor) -> None:
         coefficient: the factor, on the gradients' device.
     """
     if grads:
-        torch._foreach_mul_(list(grads), coefficient.to(grads[0].device))
+        compat.foreach_mul_(list(grads), coefficient.to(grads[0].device))
 
 
 def clip_grads_by_norm_(grads: Sequence[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:

@@ -6,12 +6,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
+from typing_extensions import override
+
+from lightning_mgpu import compat
 
 _CONVERTIBLE = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
-class DistributedBatchNorm(_BatchNorm):
+class DistributedBatchNorm(compat.BatchNormLayer):
     """Batch normalisation whose training statistics are computed over every rank of a process group.
 
     A device-agnostic counterpart of :class:`torch.nn.SyncBatchNorm`, which refuses CPU input. In training mode each
@@ -63,7 +65,8 @@ class DistributedBatchNorm(_BatchNorm):
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
         self.process_group = process_group
 
-    def _check_input_dim(self, input: Tensor) -> None:
+    @override
+    def check_input_dim(self, input: Tensor) -> None:
         if input.dim() < 2:
             raise ValueError(f"{type(self).__name__} expected an input of shape (N, C, *), got {input.dim()}D input")
         if input.size(1) != self.num_features:
@@ -74,7 +77,7 @@ class DistributedBatchNorm(_BatchNorm):
 
     def forward(self, input: Tensor) -> Tensor:
         """Normalise ``input`` of shape ``(N, C, *)`` per channel; the output has the input's dtype."""
-        self._check_input_dim(input)
+        self.check_input_dim(input)
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
@@ -96,10 +99,11 @@ class DistributedBatchNorm(_BatchNorm):
         )
 
 
-class _BatchNormXd(_BatchNorm):
+class _BatchNormXd(compat.BatchNormLayer):
     """Plain batch norm for inputs of any dim >= 2: the revert target of a layer whose original class is unknown."""
 
-    def _check_input_dim(self, input: Tensor) -> None:
+    @override
+    def check_input_dim(self, input: Tensor) -> None:
         if input.dim() < 2:
             raise ValueError(f"{type(self).__name__} expected an input of shape (N, C, *), got {input.dim()}D input")
 
@@ -294,10 +298,10 @@ def has_batchnorm(module: nn.Module) -> bool:
     Args:
         module: Model to inspect.
     """
-    return any(isinstance(m, _BatchNorm) for m in module.modules())
+    return any(isinstance(m, compat.BatchNormBase) for m in module.modules())
 
 
-def _take_over_state(target: _BatchNorm, source: _BatchNorm) -> None:
+def _take_over_state(target: compat.BatchNormBase, source: compat.BatchNormBase) -> None:
     target.weight = source.weight
     target.bias = source.bias
     target.running_mean = source.running_mean

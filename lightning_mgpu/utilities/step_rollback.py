@@ -4,8 +4,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _NormBase
 from torchmetrics import Metric
+
+from lightning_mgpu import compat
 
 
 class StepRollback:
@@ -32,7 +33,7 @@ class StepRollback:
     """
 
     def __init__(self, module: nn.Module) -> None:
-        self._norms = [m for m in module.modules() if isinstance(m, _NormBase) and m.track_running_stats]
+        self._norms = [m for m in module.modules() if isinstance(m, compat.NormBase) and m.track_running_stats]
         self._buffers: list[Tensor] = []
         self._copies: list[Tensor] | None = None
         self._metrics: list[Metric] = [m for m in module.modules() if isinstance(m, Metric)]
@@ -52,20 +53,19 @@ class StepRollback:
             if copies is None or len(copies) != len(self._buffers) or _moved(copies, self._buffers):
                 self._copies = [torch.empty_like(b) for b in self._buffers]
             with torch.no_grad():
-                torch._foreach_copy_(self._copies, self._buffers)
+                compat.foreach_copy_(self._copies, self._buffers)
         self._metric_states = [_metric_state(metric) for metric in self._metrics]
 
     def restore(self) -> None:
         """Put back what :meth:`save` remembered."""
         if self._buffers and self._copies is not None:
             with torch.no_grad():
-                torch._foreach_copy_(self._buffers, self._copies)
+                compat.foreach_copy_(self._buffers, self._copies)
         for metric, state in zip(self._metrics, self._metric_states, strict=False):
             for name, value in state["states"].items():
                 # a copy: the metric updates its states in place, and the snapshot may be restored again
                 setattr(metric, name, list(value) if isinstance(value, list) else value.clone())
-            metric._update_count = state["update_count"]
-            metric._computed = state["computed"]
+            compat.set_metric_progress(metric, state["progress"])
 
 
 def _moved(copies: list[Tensor], buffers: list[Tensor]) -> bool:
@@ -77,4 +77,4 @@ def _metric_state(metric: Metric) -> dict[str, Any]:
     for name, value in metric.metric_state.items():
         # list states ("cat" reduction) only grow by appends: a shallow copy of the list is enough
         states[name] = list(value) if isinstance(value, list) else value.detach().clone()
-    return {"states": states, "update_count": metric._update_count, "computed": metric._computed}
+    return {"states": states, "progress": compat.metric_progress(metric)}

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import MultiGPUStrategy
-from lightning_mgpu.strategies.bucket_tuning import Trial
+from lightning_mgpu.utilities.bucket_tuning import Trial
 from tests.helpers.trainer import QUIET, RecordingLogger
 
 

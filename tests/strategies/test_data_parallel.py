@@ -272,7 +272,7 @@ def test_batch_hooks_run_once_and_datamodule_hooks_run(tmp_path):
 
 def test_multigpu_turned_dataparallel_tears_down():
     from lightning_mgpu import MultiGPUStrategy
-    from lightning_mgpu.strategies.choice import StrategyChoice
+    from lightning_mgpu.utilities.strategy_choice import StrategyChoice
 
     trainer = Trainer(accelerator="cpu", devices=1, strategy=MultiGPUStrategy(mode="ddp"), logger=False)
     trainer.strategy._become_other_strategy(StrategyChoice("dp", "as chosen in a notebook with CUDA initialised"))

@@ -6,7 +6,8 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from lightning_mgpu.utilities.batch_split import batch_size_of, combine_outputs, slice_batch, split_batch
+from lightning_mgpu.utilities.batch_split import batch_size_of, slice_batch, split_batch
+from lightning_mgpu.utilities.step_pieces import merge_outputs
 
 
 class Pair(NamedTuple):
@@ -72,7 +73,7 @@ def assert_same(actual: Any, expected: Any) -> None:
 def round_trip(batch: Any, micro_batch_size: int) -> Any:
     pieces = split_batch(batch, micro_batch_size)
     assert len(pieces) > 1
-    return combine_outputs([piece for piece, _ in pieces], [size for _, size in pieces])
+    return merge_outputs([piece for piece, _ in pieces], [size for _, size in pieces])
 
 
 # batch_size_of
@@ -333,46 +334,7 @@ def test_split_batch_without_a_tensor_raises():
         split_batch({"names": ["a", "b", "c"]}, 1)
 
 
-# combine_outputs and slice_batch
-
-
-def test_combine_single_output_is_returned_unchanged():
-    output = {"a": torch.zeros(2)}
-    assert combine_outputs([output], [2]) is output
-
-
-def test_combine_weights_scalars_by_samples_and_concatenates_tensors():
-    outputs = [
-        {"loss": torch.tensor(1.0), "acc": 0.5, "pred": torch.zeros(3, 2), "names": ["a", "b", "c"], "stage": "v"},
-        {"loss": torch.tensor(4.0), "acc": 1.0, "pred": torch.ones(1, 2), "names": ["d"], "stage": "v"},
-    ]
-    combined = combine_outputs(outputs, [3, 1])
-    assert combined["loss"].item() == pytest.approx((3 * 1.0 + 4.0) / 4)
-    assert combined["loss"].dtype == torch.float32
-    assert combined["acc"] == pytest.approx((3 * 0.5 + 1.0) / 4)
-    assert torch.equal(combined["pred"], torch.cat([torch.zeros(3, 2), torch.ones(1, 2)]))
-    assert combined["names"] == ["a", "b", "c", "d"]
-    assert combined["stage"] == "v"
-
-
-def test_combine_namedtuple_and_dataclass_keep_their_types():
-    merged = combine_outputs([Pair(torch.zeros(2), torch.ones(2)), Pair(torch.zeros(1), torch.ones(1))], [2, 1])
-    assert type(merged) is Pair
-    assert merged.x.shape == (3,)
-    sample = combine_outputs(
-        [
-            Sample(torch.zeros(1, 2), torch.tensor([0]), ["p"]),
-            Sample(torch.ones(2, 2), torch.tensor([1, 2]), ["q", "r"]),
-        ],
-        [1, 2],
-    )
-    assert type(sample) is Sample
-    assert sample.path == ["p", "q", "r"]
-
-
-def test_combine_length_mismatch_raises():
-    with pytest.raises(ValueError, match="2 outputs but 1 sample counts"):
-        combine_outputs([torch.zeros(1), torch.zeros(1)], [1])
+# slice_batch
 
 
 def test_slice_batch_cuts_like_split_batch():

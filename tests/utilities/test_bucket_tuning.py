@@ -3,11 +3,8 @@
 import math
 
 import pytest
-from lightning.pytorch import Trainer
-from lightning.pytorch.demos.boring_classes import BoringModel
 
-from lightning_mgpu import DDPStrategy, MultiGPUStrategy, OOMBackoff
-from lightning_mgpu.strategies.bucket_tuning import (
+from lightning_mgpu.utilities.bucket_tuning import (
     MAX_TIMED_STEPS,
     MIN_GAIN,
     SETTLE_STEPS,
@@ -20,7 +17,6 @@ from lightning_mgpu.strategies.bucket_tuning import (
     noise_margin,
     plan_trials,
 )
-from tests.helpers.trainer import QUIET
 
 
 @pytest.mark.parametrize(
@@ -168,49 +164,3 @@ def test_result_round_trips_through_a_checkpoint_and_reads_older_ones():
     skipped = BucketTuningResult(None, None, "one process")
     assert not skipped.tuned and skipped.summary() == "kept default (one process)"
     assert skipped.effective_bucket_cap_mb == 25
-
-
-def fit_one_process(strategy: DDPStrategy, tmp_path, callbacks=()) -> DDPStrategy:
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        max_steps=400,
-        limit_val_batches=0,
-        callbacks=list(callbacks),
-        default_root_dir=tmp_path,
-        **QUIET,
-    )
-    trainer.fit(BoringModel())
-    return trainer.strategy
-
-
-def test_one_process_has_nothing_to_tune(tmp_path):
-    strategy = fit_one_process(DDPStrategy(bucket_cap_mb="auto", comm_hook="auto", bucket_tuning_steps=10), tmp_path)
-    assert strategy.bucket_tuning.reason == "one process: no gradients are communicated"
-    assert strategy.bucket_tuning.bucket_cap_mb is None
-
-
-def test_oom_backoff_turns_tuning_off(tmp_path):
-    strategy = fit_one_process(DDPStrategy(bucket_cap_mb="auto", bucket_tuning_steps=10), tmp_path, [OOMBackoff()])
-    assert strategy.bucket_tuning.reason == "OOMBackoff averages gradients outside DDP's buckets"
-
-
-def test_a_stateful_hook_is_not_re_wrapped(tmp_path):
-    strategy = fit_one_process(
-        DDPStrategy(bucket_cap_mb="auto", comm_hook="powersgd", bucket_tuning_steps=10), tmp_path
-    )
-    assert strategy.bucket_tuning.reason.startswith("comm_hook='powersgd' keeps error feedback per bucket")
-
-
-def test_fixed_settings_are_never_tuned(tmp_path):
-    strategy = fit_one_process(DDPStrategy(bucket_cap_mb=5, comm_hook="bf16"), tmp_path)
-    assert strategy.bucket_tuning is None
-    assert strategy._ddp_kwargs["bucket_cap_mb"] == 5
-
-
-def test_multi_gpu_strategy_tunes_by_default():
-    strategy = MultiGPUStrategy()
-    assert strategy.bucket_cap_mb == "auto" and strategy.tunes_buckets
-    assert strategy.bucket_tuning_steps == 30
-    assert not MultiGPUStrategy(bucket_cap_mb=None).tunes_buckets

@@ -1,6 +1,6 @@
 import pytest
 
-from lightning_mgpu.strategies.choice import LaunchContext, choose_strategy, force_mode
+from lightning_mgpu.utilities.strategy_choice import LaunchContext, choose_strategy, force_mode
 
 
 @pytest.mark.parametrize(

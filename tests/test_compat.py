@@ -1,0 +1,140 @@
+"""The compatibility module: version checks, the error at setup, and the accessors on a real Trainer."""
+
+import warnings
+
+import lightning
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_mgpu import NaNSkip, compat
+from lightning_mgpu.strategies import MultiGPUStrategy
+
+
+class _Regression(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        generator = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(14, 4, generator=generator), torch.randn(14, 1, generator=generator))
+        return DataLoader(data, batch_size=2)
+
+
+def _trainer(**kwargs) -> pl.Trainer:
+    options = dict(
+        accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False
+    )
+    options.update(kwargs)
+    return pl.Trainer(enable_model_summary=False, **options)
+
+
+@pytest.mark.parametrize(
+    ("version", "tested"),
+    [("2.5.1", False), ("2.5.2", True), ("2.5.6", True), ("2.6.6", True), ("2.6.0rc1", True), ("2.7.0", False)],
+)
+def test_the_tested_range_is_read_from_the_release_number(version, tested):
+    assert compat.lightning_is_tested(version) is tested
+
+
+def test_the_installed_lightning_has_every_internal():
+    torch.manual_seed(0)
+    trainer = _trainer(max_steps=1)
+    trainer.fit(_Regression())
+    assert compat.missing_lightning_internals(trainer) == []
+    assert compat.sigterm_internals_missing(trainer) is None
+
+
+def test_a_missing_internal_stops_the_fit_at_setup_naming_each_one():
+    torch.manual_seed(0)
+    trainer = _trainer(callbacks=[NaNSkip()])
+    del trainer.fit_loop.epoch_loop._batches_that_stepped  # as a Lightning without it would be
+    model = _Regression()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(compat.UnsupportedLightningError) as error:
+        trainer.fit(model)
+    message = str(error.value)
+    assert message.startswith("NaNSkip: Lightning ")
+    assert "_TrainingEpochLoop._batches_that_stepped" in message
+    assert "lightning>=2.5.2,<2.7" in message
+    assert trainer.global_step == 0  # stopped before training
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_an_untested_lightning_with_every_internal_warns_once_and_runs(monkeypatch):
+    torch.manual_seed(0)
+    monkeypatch.setattr(lightning, "__version__", "2.7.0")
+    compat._warn_untested_once.cache_clear()
+    trainer = _trainer(max_steps=2, callbacks=[NaNSkip()])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(_Regression())
+        compat.check_lightning_internals(trainer, "NaNSkip")  # a second fit in the process: no second warning
+    untested = [w for w in caught if "Lightning 2.7.0 is installed" in str(w.message)]
+    assert len(untested) == 1
+    assert trainer.global_step == 2
+    compat._warn_untested_once.cache_clear()
+
+
+def test_multi_gpu_strategy_refuses_a_lightning_that_would_not_ask_it_to_choose(monkeypatch):
+    monkeypatch.delattr(LightningDDPStrategy, "_configure_launcher")
+    with pytest.raises(compat.UnsupportedLightningError, match=r"MultiGPUStrategy: .*_configure_launcher"):
+        MultiGPUStrategy()
+
+
+def test_leaving_training_runs_the_callback_once_and_the_undo_restores_what_was_there():
+    torch.manual_seed(0)
+    calls = []
+    trainer = _trainer(max_steps=3)
+
+    def earlier() -> None:  # a wrapper someone installed before
+        calls.append("earlier")
+
+    trainer.fit_loop.on_run_end = earlier
+    undo = compat.run_before_leaving_training(trainer, lambda: calls.append("ours"))
+    trainer.fit_loop.on_run_end()
+    assert calls == ["ours", "earlier"]
+    undo()
+    assert trainer.fit_loop.on_run_end is earlier  # restored, not popped
+
+    fresh = _trainer(max_steps=3)
+    undo = compat.run_before_leaving_training(fresh, lambda: calls.append("fit"))
+    fresh.fit(_Regression())
+    assert calls.count("fit") == 1
+    undo()
+    assert "on_run_end" not in vars(fresh.fit_loop)
+
+
+class _Probe(pl.Callback):
+    def __init__(self) -> None:
+        self.logging, self.steps, self.accumulating = [], [], []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.accumulating.append(compat.should_accumulate(trainer))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.logging.append(compat.is_logging_step(trainer))
+        self.steps.append(compat.logger_step(trainer))
+
+
+def test_logging_step_logger_step_and_accumulation_follow_lightning():
+    torch.manual_seed(0)
+    probe = _Probe()
+    trainer = _trainer(max_epochs=1, log_every_n_steps=2, accumulate_grad_batches=2, callbacks=[probe])
+    trainer.fit(_Regression())
+    # 7 batches, a step every 2nd batch and at the epoch's end: steps end at batches 2, 4, 6 and 7
+    assert probe.accumulating == [True, False, True, False, True, False, False]
+    # read at on_train_batch_end, before Lightning counts the step: the step under way is the logger step + 1
+    assert probe.steps == [0, 0, 1, 1, 2, 2, 3]
+    # the 2nd and 4th optimizer steps are logged: every batch that belongs to them says so
+    assert probe.logging == [False, False, True, True, False, False, True]
