@@ -74,7 +74,10 @@ def _has(obj: Any, name: str) -> bool:
 LIGHTNING_INTERNALS: tuple[Internal, ...] = (
     Internal("_TrainingEpochLoop._batches_that_stepped",
              lambda t: _has(t.fit_loop.epoch_loop, "_batches_that_stepped")),
-    Internal("_LoggerConnector.should_update_logs", lambda t: _has(t._logger_connector, "should_update_logs")),
+    Internal(
+        "_LoggerConnector.should_update_logs",
+        lambda t: _has(t, "_logger_connector") and _has(type(t._logger_connector), "should_update_logs"),
+    ),
     Internal("_FitLoop._should_accumulate", lambda t: _has(t.fit_loop, "_should_accumulate")),
     Internal("_FitLoop._combined_loader", lambda t: _has(t.fit_loop, "_combined_loader")),
     Internal("LightningModule._current_fx_name", lambda t: _has(t.lightning_module, "_current_fx_name")),
@@ -148,7 +151,9 @@ def is_logging_step(trainer: "pl.Trainer") -> bool:
     """Whether the optimizer step under way is one whose metrics Lightning's loggers write (2.5.2-2.6.6).
 
     Lightning's own decision (every ``log_every_n_steps``-th step and the step that stops training), the one
-    definition the pack uses; valid from ``on_train_batch_start`` to ``on_train_batch_end``.
+    definition the pack uses; valid from ``on_train_batch_start`` to ``on_train_batch_end``. Like Lightning's loggers,
+    it says yes at every step while a fit keeps training after ``should_stop`` (``min_epochs``/``min_steps`` not yet
+    reached), so the callbacks log, and read their values, every step then, as Lightning writes every step.
     """
     return trainer._logger_connector.should_update_logs
 
@@ -201,7 +206,13 @@ class AutomaticOptimization(_AutomaticOptimization):
         super().__init__(trainer)
         self.optim_progress = replaced.optim_progress
         self._skip_backward = replaced._skip_backward
-        self.replaced = replaced
+        # in a tuple: a loop's state_dict walks its attributes and would save the replaced loop a second time
+        self._replaced = (replaced,)
+
+    @property
+    def replaced(self) -> _AutomaticOptimization:
+        """The loop this one replaced, to put back when the fit ends."""
+        return self._replaced[0]
 
     def make_closure(self, kwargs: Any, optimizer: Optimizer, batch_idx: int) -> Any:
         """Build the closure the optimizer calls: Lightning's by default."""
@@ -266,8 +277,8 @@ def sigterm_internals_missing(trainer: "pl.Trainer") -> str | None:
     progress = getattr(epoch_loop, "batch_progress", None)
     if not (hasattr(progress, "is_last_batch") and hasattr(getattr(progress, "current", None), "ready")):
         return "this Lightning's training loop keeps its batch progress differently"
-    if "on_run_end" not in type(trainer.fit_loop).__dict__:
-        return "this Lightning's fit loop has no on_run_end of its own"
+    if not callable(getattr(type(trainer.fit_loop), "on_run_end", None)):
+        return "this Lightning's fit loop has no on_run_end"
     if not hasattr(getattr(trainer, "_signal_connector", None), "_sigterm_notifier_fn"):
         return "this Lightning's signal connector differs"
     if not hasattr(dist.distributed_c10d, "_get_default_store"):
@@ -320,16 +331,19 @@ def run_before_leaving_training(trainer: "pl.Trainer", callback: Callable[[], No
     had_own = "on_run_end" in fit_loop.__dict__
     previous = fit_loop.__dict__.get("on_run_end")
     run_end = fit_loop.on_run_end
+    active = [True]
 
     def leave_training() -> Any:
-        callback()
+        if active[0]:
+            callback()
         return run_end()
 
     fit_loop.on_run_end = leave_training
 
     def undo() -> None:
+        active[0] = False  # a newer wrapper that calls this one keeps working, without the callback
         if fit_loop.__dict__.get("on_run_end") is not leave_training:
-            return  # wrapped again since: leave the newer wrapper, which calls this one
+            return
         if had_own:
             fit_loop.on_run_end = previous
         else:
@@ -519,6 +533,7 @@ class BatchNormLayer(_BatchNorm):
 
     def check_input_dim(self, input: Tensor) -> None:
         """Raise ``ValueError`` for an input this layer cannot normalise."""
+        raise NotImplementedError(f"{type(self).__name__} must implement check_input_dim")
 
     def _check_input_dim(self, input: Tensor) -> None:
         self.check_input_dim(input)

@@ -138,3 +138,31 @@ def test_logging_step_logger_step_and_accumulation_follow_lightning():
     assert probe.steps == [0, 0, 1, 1, 2, 2, 3]
     # the 2nd and 4th optimizer steps are logged: every batch that belongs to them says so
     assert probe.logging == [False, False, True, True, False, False, True]
+
+
+def test_the_strategy_probes_see_lightnings_ddp_internals_and_report_a_missing_one():
+    from lightning_mgpu import DDPStrategy
+
+    trainer = _trainer(strategy=DDPStrategy(), callbacks=[])  # built, not fitted: no process group
+    strategy_probes = [i for i in compat.LIGHTNING_INTERNALS if i.name.startswith(("DDPStrategy.", "Parallel"))]
+    assert len(strategy_probes) == 10
+    assert [i.name for i in strategy_probes if not i.present(trainer)] == []
+    del trainer.strategy._ddp_kwargs  # as a Lightning that keeps them elsewhere
+    assert [i.name for i in strategy_probes if not i.present(trainer)] == ["DDPStrategy._ddp_kwargs"]
+
+
+def test_an_undone_wrapper_left_inside_a_newer_one_no_longer_calls_back():
+    calls = []
+    trainer = _trainer(max_steps=3)
+    trainer.fit_loop.on_run_end = lambda: calls.append("lightning")
+    undo = compat.run_before_leaving_training(trainer, lambda: calls.append("ours"))
+    ours = trainer.fit_loop.on_run_end
+
+    def newer() -> None:  # something wrapped it after us
+        calls.append("newer")
+        ours()
+
+    trainer.fit_loop.on_run_end = newer
+    undo()
+    trainer.fit_loop.on_run_end()
+    assert calls == ["newer", "lightning"]

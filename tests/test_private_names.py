@@ -21,18 +21,19 @@ import lightning_mgpu
 
 PACKAGE = pathlib.Path(lightning_mgpu.__file__).parent
 COMPAT = PACKAGE / "compat.py"
+# calls that take an attribute name as a string
+LOOKUPS = ("getattr", "hasattr", "setattr", "delattr", "attrgetter", "get", "pop", "setdefault")
+# namedtuple's documented API, underscored so as not to clash with field names
+NAMEDTUPLE_API = ("_fields", "_asdict", "_replace", "_make", "_field_defaults")
 FOREIGN_PACKAGES = ("lightning", "torch", "torchmetrics", "pytorch_lightning", "lightning_fabric")
 _DEFINITION = re.compile(r"(?:self|cls)\.(_[A-Za-z]\w*)\s*(?::[^=\n]+)?=[^=]|def (_[A-Za-z]\w*)|class (_[A-Za-z]\w*)")
 
 
 def _foreign_private_names() -> set[str]:
-    """Private names that Lightning, torchmetrics and the torch modules the pack builds on define."""
-    roots = [pathlib.Path(lightning.__file__).parent, pathlib.Path(torchmetrics.__file__).parent]
-    torch_root = pathlib.Path(torch.__file__).parent
+    """Private names that Lightning, torchmetrics and torch define in Python (names defined in C are caught only when
+    reached from the module, ``torch._foreach_norm``)."""
+    roots = [pathlib.Path(module.__file__).parent for module in (lightning, torchmetrics, torch)]
     roots_files = [p for root in roots for p in root.rglob("*.py")]
-    roots_files += [torch_root / "nn" / "modules" / name for name in ("module.py", "batchnorm.py")]
-    roots_files += [torch_root / "nn" / "parallel" / "distributed.py", torch_root / "optim" / "optimizer.py"]
-    roots_files += [torch_root / "distributed" / "distributed_c10d.py"]
     names: set[str] = set()
     for path in roots_files:
         for match in _DEFINITION.finditer(path.read_text(errors="ignore")):
@@ -85,6 +86,24 @@ def _defined_by(base: type) -> set[str]:
     return names
 
 
+def _strings_used_as_names(tree: ast.AST) -> set[int]:
+    """The string constants a lookup uses as a name: getattr(x, "_a"), x.__dict__["_a"], attrgetter("b._a")..."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            if name in LOOKUPS:
+                found.update(
+                    id(arg) for arg in node.args if isinstance(arg, ast.Constant) and isinstance(arg.value, str)
+                )
+        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+            found.add(id(node.slice))
+        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops):
+            found.update(id(n) for n in (node.left,) if isinstance(n, ast.Constant) and isinstance(n.value, str))
+    return found
+
+
 def _violations() -> list[str]:
     foreign = _foreign_private_names()
     modules = _package_modules()
@@ -110,6 +129,7 @@ def _violations() -> list[str]:
             if inspect.ismodule(getattr(module, alias.asname or alias.name, None))
         }
         where = f"{path.relative_to(PACKAGE.parent)}"
+        names_in_lookups = _strings_used_as_names(tree)
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in FOREIGN_PACKAGES:
                 for alias in node.names:
@@ -122,10 +142,17 @@ def _violations() -> list[str]:
                 while isinstance(root, ast.Attribute):
                     root = root.value
                 from_module = isinstance(root, ast.Name) and root.id in foreign_modules
-                if from_module or (node.attr in foreign and node.attr not in own):
+                # on another object than self, a name both the package and a library define counts as the library's
+                if from_module or node.attr in foreign:
                     found.append(f"{where}:{node.lineno}: .{node.attr}")
-            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _is_private(node.value):  # noqa: SIM102
-                if node.value in foreign and node.value not in own:
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    parts = alias.name.split(".")
+                    if parts[0] in FOREIGN_PACKAGES and any(_is_private(part) for part in parts):
+                        found.append(f"{where}:{node.lineno}: imports {alias.name}")
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) in names_in_lookups:
+                parts = [part for part in node.value.split(".") if _is_private(part) and part not in NAMEDTUPLE_API]
+                if any(part in foreign and part not in own for part in parts):
                     found.append(f"{where}:{node.lineno}: {node.value!r}")
         for _, cls in inspect.getmembers(module, inspect.isclass):
             if cls.__module__ != module_name:
@@ -155,6 +182,9 @@ def test_the_scan_finds_a_private_name(tmp_path, monkeypatch):
         "def norms(xs):\n    return torch._foreach_norm(xs)\n\n\n"
         "def step(trainer):\n    return trainer.fit_loop.epoch_loop._batches_that_stepped\n\n\n"
         "def timeout(strategy):\n    return getattr(strategy, '_timeout', None)\n\n\n"
+        "def fused(optimizer):\n    return getattr(optimizer, '_step_supports_amp_scaling', False)\n\n\n"
+        "def buffers(ddp):\n    ddp._sync_buffers()\n\n\n"
+        "def reset():\n    import torch._dynamo\n\n\n"
         "class Mine(DDPStrategy):\n"
         "    def _configure_launcher(self):\n        pass\n\n"
         "    def kwargs(self):\n        return self._ddp_kwargs\n"
@@ -168,6 +198,9 @@ def test_the_scan_finds_a_private_name(tmp_path, monkeypatch):
         "._foreach_norm",
         "._batches_that_stepped",
         "'_timeout'",
+        "'_step_supports_amp_scaling'",
+        "._sync_buffers",  # a name the package defines too (MicroBatchTrainer's), on another object
+        "imports torch._dynamo",
         "Mine._configure_launcher overrides",
         "Mine uses the inherited private self._ddp_kwargs",
     ):

@@ -147,13 +147,14 @@ class GradNormStatistics:
         self.mean = torch.zeros(())
         self.var = torch.zeros(())
 
-    def _to(self, device: torch.device) -> None:
+    def to(self, device: torch.device) -> None:
+        """Keep the statistics on ``device`` (the gradients'); a no-op where they are already."""
         if self.mean.device != device:
             self.count, self.mean, self.var = self.count.to(device), self.mean.to(device), self.var.to(device)
 
     def update(self, norm: Tensor) -> None:
         """Fold one observed norm into the statistics; a NaN or Inf is ignored."""
-        self._to(norm.device)
+        self.to(norm.device)
         norm = norm.float()
         finite = torch.isfinite(norm)
         count = self.count + finite.long()
@@ -209,7 +210,7 @@ def zscore_clip_grads_(
         norm, threshold = zscore_clip_grads_(grads, stats, z_threshold=2.5, warmup_steps=25)
     """
     norm = total_grad_norm(grads, norm_type) if norm is None else norm
-    stats._to(norm.device)
+    stats.to(norm.device)
     threshold = stats.threshold(z_threshold, warmup_steps)
     coefficient = torch.where(
         torch.isfinite(norm), torch.clamp(threshold / (norm + 1e-6), max=1.0), torch.ones_like(norm)
