@@ -10,6 +10,11 @@ fallback instead: the strategy-name hint (Lightning's own message stays) and the
 per-step broadcast stays). A Lightning outside :data:`TESTED_LIGHTNING_RANGE` whose internals are all present gets
 one warning and runs.
 
+Two limits, chosen for one simple rule: the check is all-or-nothing (a callback that needs none of a missing name is
+refused too), and the classes this module subclasses or re-exports (``_AutomaticOptimization``, ``_BatchNorm``,
+``_NormBase``, ``AbstractClosure``) are imported when the package is: a release that moves one fails at
+``import lightning_mgpu`` with an ``ImportError`` naming it, not at ``setup``.
+
 To support a new Lightning release: run the suite on it; where a name moved, change the accessor here (and its probe
 in :data:`LIGHTNING_INTERNALS`), not its callers.
 """
