@@ -199,7 +199,7 @@ def test_the_scan_finds_a_private_name(tmp_path, monkeypatch):
         "._batches_that_stepped",
         "'_timeout'",
         "'_step_supports_amp_scaling'",
-        "._sync_buffers",  # a name the package defines too (MicroBatchTrainer's), on another object
+        "._sync_buffers",  # torch DDP's, on another object than self
         "imports torch._dynamo",
         "Mine._configure_launcher overrides",
         "Mine uses the inherited private self._ddp_kwargs",

@@ -138,7 +138,7 @@ class MicroBatchTrainer:
         )
         reduce_now = self.ddp is not None and not accumulating
         if self.ddp is not None:
-            self._sync_buffers(first_of_window=zero_grad_fn is not None)
+            self._broadcast_buffers(first_of_window=zero_grad_fn is not None)
         if zero_grad_fn is not None:
             zero_grad_fn()
 
@@ -186,7 +186,7 @@ class MicroBatchTrainer:
             # as after DDP's own synchronised backward: the next forward (a validation one included) broadcasts
             # the buffers from rank 0
             self.ddp.require_forward_param_sync = True
-        return self._result(done)
+        return self._closure_result(done)
 
     def _train_pieces(
         self,
@@ -323,7 +323,7 @@ class MicroBatchTrainer:
         with self.ddp.no_sync():
             yield
 
-    def _sync_buffers(self, first_of_window: bool) -> None:
+    def _broadcast_buffers(self, first_of_window: bool) -> None:
         ddp = self.ddp
         assert ddp is not None
         # DDP broadcasts buffers from rank 0 in the first forward after a synchronised backward; its forwards now
@@ -337,7 +337,7 @@ class MicroBatchTrainer:
             for buffer in ddp.module.buffers():
                 dist.broadcast(buffer, src=0, group=ddp.process_group)
 
-    def _result(self, done: list[_Piece]) -> ClosureResult:
+    def _closure_result(self, done: list[_Piece]) -> ClosureResult:
         losses = [piece.loss for piece in done if piece.loss is not None]
         total_loss = torch.stack(losses).sum() if len(losses) > 1 else (losses[0] if losses else None)
         if len(done) == 1:

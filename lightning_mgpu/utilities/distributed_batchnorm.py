@@ -293,7 +293,7 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
 
 
 def has_batchnorm(module: nn.Module) -> bool:
-    """Whether ``module`` is or contains a batch-norm layer (any ``_BatchNorm``, synchronised ones included).
+    """Whether ``module`` is or contains a batch-norm layer (any torch BatchNorm, synchronised ones included).
 
     Args:
         module: Model to inspect.
