@@ -1,7 +1,8 @@
 """lightning_mgpu: strategies and callbacks that let an unmodified LightningModule use every device it is given.
 
 Importing the package registers the strategy names ``mgpu``, ``mgpu_ddp``, ``mgpu_ddp_spawn``, ``mgpu_ddp_fork``,
-``mgpu_dp`` and the compression presets ``mgpu_ddp_fp16``, ``mgpu_ddp_bf16``, ``mgpu_ddp_powersgd`` with Lightning.
+``mgpu_dp``, ``mgpu_fsdp`` and the compression presets ``mgpu_ddp_fp16``, ``mgpu_ddp_bf16``, ``mgpu_ddp_powersgd``
+with Lightning.
 The public classes are imported on first use (``lightning_mgpu.NaNSkip``, ``from lightning_mgpu import NaNSkip``).
 Only ``python -m lightning_mgpu`` skips the registration: its ``config`` command prints a path without importing
 torch, and its ``env`` command imports what it needs.
@@ -19,6 +20,7 @@ _EXPORTS: dict[str, str] = {
     "DataParallelStrategy": "lightning_mgpu.strategies",
     "DeviceAgnosticSyncBatchNorm": "lightning_mgpu.strategies",
     "DistributedBatchNorm": "lightning_mgpu.utilities.distributed_batchnorm",
+    "FSDPStrategy": "lightning_mgpu.strategies",
     "GPUMemoryMonitor": "lightning_mgpu.callbacks",
     "GradientClipping": "lightning_mgpu.callbacks",
     "MemoryHeadroomWarning": "lightning_mgpu.callbacks",
@@ -47,6 +49,7 @@ if TYPE_CHECKING:
         DataParallelStrategy,
         DDPStrategy,
         DeviceAgnosticSyncBatchNorm,
+        FSDPStrategy,
         MultiGPUStrategy,
         SingleDeviceStrategy,
         StrategyChoice,
@@ -93,6 +96,7 @@ __all__ = [
     "DataParallelStrategy",
     "DeviceAgnosticSyncBatchNorm",
     "DistributedBatchNorm",
+    "FSDPStrategy",
     "GPUMemoryMonitor",
     "GradientClipping",
     "MemoryHeadroomWarning",

@@ -32,6 +32,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     env.add_argument("--nodes", type=int, default=1, help="the Trainer's num_nodes")
     config = commands.add_parser("config", help="list the shipped LightningCLI configs, or print one's path")
     config.add_argument("name", nargs="?", choices=CONFIG_NAMES, help="print this config's path (for --config)")
+    export = commands.add_parser(
+        "export", help="turn a sharded (FSDP) or Lightning checkpoint into one file holding the model's state dict"
+    )
+    export.add_argument("checkpoint", help="a torch distributed checkpoint folder or a checkpoint file")
+    export.add_argument("out", help="the file to write (torch.save of the state dict)")
+    export.add_argument("--prefix", default="", help="keep only keys starting with this, without it (e.g. model.)")
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help(sys.stderr)
@@ -42,6 +48,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             for name in CONFIG_NAMES:
                 print(f"{name:<16} {config_summary(name)}\n{'':<16} {config_path(name)}")
+        return 0
+    if args.command == "export":
+        from lightning_mgpu.utilities.sharded_checkpoint import export_state_dict
+
+        try:
+            state = export_state_dict(args.checkpoint, args.out, prefix=args.prefix)
+        except (FileNotFoundError, KeyError) as err:
+            export.error(str(err))
+        print(f"wrote {len(state)} tensors ({sum(t.numel() for t in state.values())} elements) to {args.out}")
         return 0
     from lightning_mgpu.commands.env import environment_report
 

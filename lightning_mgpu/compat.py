@@ -34,7 +34,7 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.loops.optimization.automatic import ClosureResult, _AutomaticOptimization
 from lightning.pytorch.loops.optimization.closure import AbstractClosure
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
-from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from packaging.version import Version
 from torch import Tensor, nn
@@ -106,6 +106,11 @@ LIGHTNING_INTERNALS: tuple[Internal, ...] = (
                  or _has(t.strategy, name))
         for name in ("_ddp_kwargs", "_ddp_comm_hook", "_ddp_comm_state", "_model_averaging_period", "_timeout",
                      "_start_method")
+    ),
+    *(
+        Internal(f"ModelParallelStrategy.{name}", lambda t, name=name: not isinstance(t.strategy, ModelParallelStrategy)
+                 or _has(t.strategy, name))
+        for name in ("_data_parallel_size", "_tensor_parallel_size", "_configure_launcher")
     ),
 )  # fmt: skip
 
@@ -576,3 +581,29 @@ def metric_progress(metric: Metric) -> tuple[int, Any]:
 def set_metric_progress(metric: Metric, progress: tuple[int, Any]) -> None:
     """Put back what :func:`metric_progress` returned."""
     metric._update_count, metric._computed = progress
+
+
+# ------------------------------------------------------------------------------------------- FSDP2 (sharded) names
+def set_mesh_sizes(strategy: ModelParallelStrategy, data_parallel: int, tensor_parallel: int) -> None:
+    """The device-mesh shape Lightning's ``ModelParallelStrategy`` builds at ``setup_environment`` (2.5.2-2.6.6)."""
+    strategy._data_parallel_size = data_parallel
+    strategy._tensor_parallel_size = tensor_parallel
+
+
+def configure_launcher(strategy: "pl.strategies.Strategy") -> None:
+    """Let a strategy build its launcher, as the Trainer's connector does once (2.5.2-2.6.6)."""
+    strategy._configure_launcher()
+
+
+def materialize_distributed_module(module: nn.Module, device: torch.device) -> None:
+    """Give meta-device parameters real memory and initialise them (Lightning's, 2.5.2-2.6.6)."""
+    from lightning.fabric.utilities.init import _materialize_distributed_module
+
+    _materialize_distributed_module(module, device)
+
+
+def optimizers_to_device(optimizers: list[Optimizer], device: torch.device) -> None:
+    """Move optimizer state to ``device`` (Lightning's, 2.5.2-2.6.6)."""
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+    _optimizers_to_device(optimizers, device)

@@ -7,6 +7,7 @@ from typing import Any, Literal, get_args
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
@@ -27,6 +28,7 @@ from lightning_mgpu.utilities.clip_grad import (
     total_grad_norm,
     zscore_clip_grads_,
 )
+from lightning_mgpu.utilities.sharded_tensors import local_part
 from lightning_mgpu.utilities.validation import (
     check_bool,
     check_choice,
@@ -188,6 +190,12 @@ class GradientClipping(Callback):
                 f"{type(self).__name__}(mode={self.mode!r}) and Trainer(gradient_clip_val={trainer.gradient_clip_val})"
                 " both clip gradients; keep one of them."
             )
+        if isinstance(trainer.strategy, ModelParallelStrategy) and (self.mode == "agc" or self.norm_type != 2.0):
+            raise MisconfigurationException(
+                f"{type(self).__name__}(mode={self.mode!r}, norm_type={self.norm_type}) is not supported under "
+                f"{type(trainer.strategy).__name__}, where each rank holds shards of the gradients: use mode='norm', "
+                "'zscore' (2-norms over all shards) or 'value'."
+            )
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -236,7 +244,7 @@ class GradientClipping(Callback):
         show_in_progress_bar(pl_module, "grad_norm", float(norm))
 
     def _clip(self, optimizer: Optimizer, params: list[Tensor], step: int) -> tuple[Tensor, Tensor | None]:
-        grads = [p.grad for p in params]
+        grads = [local_part(p.grad) for p in params]  # scaled in place: under FSDP, this rank's shards
         # per-gradient norms shared with NaNSkip, read before clipping changes anything (value clipping turns an
         # Inf into clip_value): one pass over the gradients per step, whatever the callbacks' order
         norms = gradient_norms(optimizer, params, step)

@@ -6,6 +6,7 @@ from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -204,6 +205,13 @@ class OOMBackoff(Callback):
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         compat.check_lightning_internals(trainer, type(self).__name__)
         self._trainer = trainer
+        if isinstance(trainer.strategy, ModelParallelStrategy):
+            raise MisconfigurationException(
+                f"{type(self).__name__} does not run under {type(trainer.strategy).__name__}: FSDP's collectives run"
+                " inside every unit's forward and backward, so a rank that fails mid-step cannot drop out of them."
+                " Make the step fit instead: MultiGPUStrategy(mode='fsdp', activation_checkpointing='auto'),"
+                " sharding='full', cpu_offload=True on GPUs, or a smaller batch with accumulate_grad_batches."
+            )
         if stage == "fit" and not pl_module.automatic_optimization:
             raise MisconfigurationException(
                 f"{type(self).__name__} needs automatic optimization: with `automatic_optimization = False` the"

@@ -8,6 +8,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_mgpu import compat
 from lightning_mgpu.strategies.data_parallel import DataParallelStrategy
 from lightning_mgpu.strategies.ddp import DDPStrategy
+from lightning_mgpu.strategies.fsdp import FSDPStrategy
 from lightning_mgpu.strategies.multi_gpu import MultiGPUStrategy
 from lightning_mgpu.strategies.single_device import SingleDeviceStrategy
 from lightning_mgpu.strategies.sync_batchnorm import DeviceAgnosticSyncBatchNorm
@@ -20,6 +21,7 @@ REGISTERED_STRATEGIES: dict[str, tuple[dict, str]] = {
     "mgpu_ddp_spawn": ({"mode": "ddp_spawn"}, "DDP with processes started by spawn"),
     "mgpu_ddp_fork": ({"mode": "ddp_fork"}, "DDP with forked processes (notebooks)"),
     "mgpu_dp": ({"mode": "dp"}, "DataParallel over the GPUs of one process"),
+    "mgpu_fsdp": ({"mode": "fsdp"}, "FSDP2 sharding of the unmodified module over one process per device"),
     "mgpu_ddp_fp16": ({"mode": "ddp", "comm_hook": "fp16"}, "DDP with fp16 gradient compression"),
     "mgpu_ddp_bf16": ({"mode": "ddp", "comm_hook": "bf16"}, "DDP with bf16 gradient compression"),
     # gradients as bucket views: no copy in and out of the 2 x model-size buckets each step (+5% measured)
@@ -91,6 +93,7 @@ __all__ = [
     "DDPStrategy",
     "DataParallelStrategy",
     "DeviceAgnosticSyncBatchNorm",
+    "FSDPStrategy",
     "LaunchContext",
     "MultiGPUStrategy",
     "SingleDeviceStrategy",

@@ -28,6 +28,7 @@ from lightning_mgpu.strategies.ddp_bucket_tuning import (
 )
 from lightning_mgpu.strategies.preemption import SigtermAgreement
 from lightning_mgpu.strategies.sync_batchnorm import DeviceAgnosticSyncBatchNorm
+from lightning_mgpu.utilities.blocks import apply_activation_checkpointing, check_class_names
 from lightning_mgpu.utilities.bucket_tuning import BucketTuningResult
 from lightning_mgpu.utilities.comm_hooks import COMM_HOOK_NAMES, CommHookName, register_comm_hook
 from lightning_mgpu.utilities.distributed_batchnorm import has_batchnorm
@@ -112,6 +113,9 @@ class DDPStrategy(compat.DDPStrategyBase):
             allows both. Only with ``comm_hook="auto"``.
         powersgd_rank: rank of the PowerSGD low-rank approximation.
         powersgd_warmup_steps: optimizer steps of exact all-reduce before PowerSGD starts compressing.
+        activation_checkpointing: ``None``, ``"auto"`` (the model's repeated blocks, see
+            :func:`~lightning_mgpu.utilities.blocks.find_repeated_blocks`) or class names of modules whose activations
+            are recomputed in the backward instead of kept (torch's non-reentrant checkpoint), applied at ``setup``.
         start_method: how processes are started: ``"popen"`` (re-run the script), ``"spawn"``, ``"fork"``
             or ``"forkserver"``.
         timeout: process group timeout.
@@ -157,10 +161,12 @@ class DDPStrategy(compat.DDPStrategyBase):
         start_method: StartMethod = "popen",
         timeout: timedelta | None = default_pg_timeout,
         process_group_backend: str | None = None,
+        activation_checkpointing: Literal["auto"] | list[str] | None = None,
         **kwargs: Any,
     ) -> None:
         owner = type(self).__name__
         _check_ddp_kwargs(self, kwargs)
+        check_class_names(owner, "activation_checkpointing", activation_checkpointing, allow_none=True)
         check_choice(owner, "sync_batchnorm", sync_batchnorm, (True, False, "auto"))
         if bucket_cap_mb is not None and bucket_cap_mb != "auto":
             check_positive(
@@ -202,6 +208,8 @@ class DDPStrategy(compat.DDPStrategyBase):
             **ddp_kwargs,
         )
         self.sync_batchnorm = sync_batchnorm
+        self.activation_checkpointing = activation_checkpointing
+        self.checkpointed: list[str] = []  # the blocks whose activations are recomputed, by module name
         self.bucket_cap_mb = bucket_cap_mb
         self.bucket_tuning_steps = bucket_tuning_steps
         self.comm_hook = comm_hook
@@ -252,6 +260,10 @@ class DDPStrategy(compat.DDPStrategyBase):
         compat.check_lightning_internals(trainer, type(self).__name__)
         compat.set_layer_sync(self, self._choose_layer_sync())
         self._tuning.setup(trainer)  # before DDP wraps the model: it wraps once, with the setting chosen here
+        if self.activation_checkpointing is not None:
+            self.checkpointed = apply_activation_checkpointing(
+                type(self).__name__, self.lightning_module, self.activation_checkpointing
+            )
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self._sigterm_agreement = SigtermAgreement.for_trainer(trainer)

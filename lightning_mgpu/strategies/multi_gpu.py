@@ -1,7 +1,7 @@
 """``MultiGPUStrategy``: picks single device, DataParallel or DDP from the hardware and the launch context."""
 
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.multiprocessing as mp
@@ -21,6 +21,7 @@ from lightning_mgpu.strategies.ddp import (
     SyncBatchNormSetting,
     TunableCommHook,
 )
+from lightning_mgpu.strategies.fsdp import FSDPStrategy, Sharding, check_precision
 from lightning_mgpu.strategies.single_device import SingleDeviceStrategy
 from lightning_mgpu.utilities.devices import accelerator_name
 from lightning_mgpu.utilities.strategy_choice import (
@@ -62,7 +63,8 @@ class MultiGPUStrategy(DDPStrategy):
 
     Args:
         mode: ``"auto"`` (the table above) or a forced ``"single"``, ``"dp"``, ``"ddp"``, ``"ddp_spawn"``,
-            ``"ddp_fork"``.
+            ``"ddp_fork"``, or ``"fsdp"``: FSDP2 sharding of the unmodified module, one process per device (the
+            strategy turns into an :class:`FSDPStrategy`, which documents the sharding options below).
         sync_batchnorm: ``"auto"`` (default) synchronises BatchNorm when the model has some and more than one
             process trains; ``True`` or ``False`` force it.
         bucket_cap_mb: ``"auto"`` (default) times candidate gradient bucket sizes on the fit's first optimizer
@@ -80,6 +82,12 @@ class MultiGPUStrategy(DDPStrategy):
         comm_hook_candidates: the hooks ``comm_hook="auto"`` may choose, from ``"fp16"`` and ``"bf16"``.
         powersgd_rank: rank of the PowerSGD approximation.
         powersgd_warmup_steps: exact all-reduce steps before PowerSGD compresses.
+        sharding: FSDP only: ``"full"`` (parameters, gradients, optimizer state) or ``"grad_op"`` (gradients and
+            optimizer state; parameters gathered from forward to backward).
+        shard_units: FSDP only: ``"auto"`` (the repeated blocks) or the class names of the sharding units.
+        cpu_offload: FSDP only: keep the shards in host memory (CUDA).
+        activation_checkpointing: DDP and FSDP: ``None``, ``"auto"`` (the repeated blocks) or class names of modules
+            whose activations are recomputed in the backward.
         timeout: process group timeout.
         process_group_backend: ``None`` picks gloo for CPU and NCCL for CUDA.
         accelerator: set by the Trainer.
@@ -120,6 +128,10 @@ class MultiGPUStrategy(DDPStrategy):
         comm_hook_candidates: list[TunableCommHook] | None = None,
         powersgd_rank: int = 1,
         powersgd_warmup_steps: int = 100,
+        sharding: Sharding = "full",
+        shard_units: Literal["auto"] | list[str] = "auto",
+        cpu_offload: bool = False,
+        activation_checkpointing: Literal["auto"] | list[str] | None = None,
         timeout: timedelta | None = default_pg_timeout,
         process_group_backend: str | None = None,
         accelerator: Accelerator | None = None,
@@ -130,6 +142,9 @@ class MultiGPUStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         check_choice(type(self).__name__, "mode", mode, MODES)
+        # checked now by the class that uses them, so a bad value fails at construction in every mode
+        self.fsdp_options = dict(sharding=sharding, shard_units=shard_units, cpu_offload=cpu_offload)
+        FSDPStrategy(**self.fsdp_options, activation_checkpointing=activation_checkpointing)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -149,6 +164,7 @@ class MultiGPUStrategy(DDPStrategy):
             powersgd_warmup_steps=powersgd_warmup_steps,
             timeout=timeout,
             process_group_backend=process_group_backend,
+            activation_checkpointing=activation_checkpointing,
             **kwargs,
         )
         self.mode = mode
@@ -162,6 +178,9 @@ class MultiGPUStrategy(DDPStrategy):
             context = self.launch_context()
             self.choice = choose_strategy(context) if self.mode == "auto" else force_mode(self.mode, context)
             rank_zero_info(f"{type(self).__name__} chose {self.choice.mode!r}: {self.choice.reason}.")
+        if self.choice.mode == "fsdp":
+            self._become_fsdp(self.choice)
+            return False
         if self.choice.mode not in _START_METHODS:
             self._become_other_strategy(self.choice)
             return False
@@ -182,6 +201,27 @@ class MultiGPUStrategy(DDPStrategy):
             cuda_initialized=cuda_is_initialized(),
             fork_available="fork" in mp.get_all_start_methods(),
         )
+
+    def _become_fsdp(self, choice: StrategyChoice) -> None:
+        # FSDPStrategy derives from Lightning's ModelParallelStrategy, which builds its own launcher
+        plugins = compat.strategy_plugins(self)
+        # the Trainer's precision is known now: refuse fp16 mixed precision when the Trainer is built, not at fit
+        check_precision(type(self).__name__, str(getattr(plugins["precision_plugin"], "precision", "32-true")))
+        sync_batchnorm = True if compat.layer_sync(self) is not None else self.sync_batchnorm
+        settings = dict(
+            self.fsdp_options,
+            activation_checkpointing=self.activation_checkpointing,
+            sync_batchnorm=sync_batchnorm,
+            timeout=compat.process_group_timeout(self),
+            process_group_backend=self.process_group_backend,
+            parallel_devices=self.parallel_devices,
+            cluster_environment=self.cluster_environment,
+        )
+        num_nodes = self.num_nodes
+        compat.become(self, FSDPStrategy, **settings, **plugins)
+        self.num_nodes = num_nodes
+        self.choice = choice
+        compat.configure_launcher(self)
 
     def _become_other_strategy(self, choice: StrategyChoice) -> None:
         # The Trainer holds on to this object, so it turns into the chosen strategy in place. Only what the

@@ -6,8 +6,8 @@ from typing import Literal, get_args
 
 import torch
 
-Mode = Literal["single", "dp", "ddp", "ddp_spawn", "ddp_fork"]
-ModeOrAuto = Literal["auto", "single", "dp", "ddp", "ddp_spawn", "ddp_fork"]
+Mode = Literal["single", "dp", "ddp", "ddp_spawn", "ddp_fork", "fsdp"]
+ModeOrAuto = Literal["auto", "single", "dp", "ddp", "ddp_spawn", "ddp_fork", "fsdp"]
 MODES: tuple[str, ...] = get_args(ModeOrAuto)
 DDP_MODES: tuple[str, ...] = ("ddp", "ddp_spawn", "ddp_fork")
 
@@ -43,7 +43,7 @@ class StrategyChoice:
     """The mode chosen and a sentence saying why, readable as ``trainer.strategy.choice`` after Trainer init.
 
     Args:
-        mode: one of ``"single"``, ``"dp"``, ``"ddp"``, ``"ddp_spawn"``, ``"ddp_fork"``.
+        mode: one of ``"single"``, ``"dp"``, ``"ddp"``, ``"ddp_spawn"``, ``"ddp_fork"``, ``"fsdp"``.
         reason: why this mode was chosen.
     """
 
@@ -120,6 +120,11 @@ def force_mode(mode: Mode, context: LaunchContext) -> StrategyChoice:
         raise ValueError(
             f"MultiGPUStrategy(mode='single') runs on exactly one device, but the Trainer was given "
             f"{context.num_devices} device(s) on {context.num_nodes} node(s); pass devices=1 or choose another mode."
+        )
+    if mode == "fsdp" and context.external_launcher is None and context.interactive:
+        raise ValueError(
+            "MultiGPUStrategy(mode='fsdp') launches one process per device by re-running the script, which an "
+            "interactive session cannot do; run it as a script (or under torchrun)."
         )
     if mode == "ddp_fork" and not context.fork_available:
         raise ValueError("MultiGPUStrategy(mode='ddp_fork') needs the 'fork' start method, which this platform lacks")

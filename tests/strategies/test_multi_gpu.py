@@ -9,7 +9,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 
 import lightning_mgpu
-from lightning_mgpu import DataParallelStrategy, DDPStrategy, MultiGPUStrategy, SingleDeviceStrategy
+from lightning_mgpu import DataParallelStrategy, DDPStrategy, FSDPStrategy, MultiGPUStrategy, SingleDeviceStrategy
 from lightning_mgpu.strategies import REGISTERED_STRATEGIES
 from tests.helpers.processes import clear_launch_environment
 from tests.helpers.trainer import QUIET
@@ -31,7 +31,8 @@ def test_every_registered_name_builds_a_trainer(name):
             make_trainer(strategy=name, accelerator="cpu", devices=2)
         return
     trainer = make_trainer(strategy=name, accelerator="cpu", devices=2)
-    assert isinstance(trainer.strategy, MultiGPUStrategy)
+    expected_class = FSDPStrategy if name == "mgpu_fsdp" else MultiGPUStrategy
+    assert isinstance(trainer.strategy, expected_class)
     expected_mode = REGISTERED_STRATEGIES[name][0]["mode"]
     assert trainer.strategy.choice.mode == (expected_mode if expected_mode != "auto" else "ddp")
     if "comm_hook" in REGISTERED_STRATEGIES[name][0]:
@@ -42,7 +43,7 @@ def test_names_are_registered_on_import():
     from lightning.pytorch.strategies import StrategyRegistry
 
     lightning_mgpu.register_strategies()  # idempotent
-    for name in ("mgpu", "mgpu_ddp", "mgpu_ddp_spawn", "mgpu_ddp_fork", "mgpu_dp"):
+    for name in ("mgpu", "mgpu_ddp", "mgpu_ddp_spawn", "mgpu_ddp_fork", "mgpu_dp", "mgpu_fsdp"):
         assert name in StrategyRegistry
 
 

@@ -1,0 +1,237 @@
+"""``FSDPStrategy``: FSDP2 sharding of an unmodified LightningModule, with its sharding units found for it."""
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+from typing_extensions import override
+
+from lightning_mgpu import compat
+from lightning_mgpu.strategies.sync_batchnorm import DeviceAgnosticSyncBatchNorm
+from lightning_mgpu.utilities.blocks import apply_activation_checkpointing, check_class_names, find_repeated_blocks
+from lightning_mgpu.utilities.distributed_batchnorm import has_batchnorm
+from lightning_mgpu.utilities.validation import check_bool, check_choice
+
+Sharding = Literal["full", "grad_op"]
+SHARDINGS: tuple[str, ...] = ("full", "grad_op")
+# Trainer precision -> FSDP2 parameter dtype for the forward and backward (gradients are reduced in float32)
+_PARAM_DTYPES: dict[str, torch.dtype] = {"bf16-mixed": torch.bfloat16}
+_SUPPORTED_PRECISIONS = ("32-true", "64-true", "bf16-mixed", "bf16-true", "16-true")
+# the LightningModule methods the Trainer calls in place of forward: FSDP gathers the root's parameters around them
+_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+class FSDPStrategy(ModelParallelStrategy):
+    """Shard an unmodified LightningModule's parameters, gradients and optimizer state across processes with FSDP2.
+
+    No ``configure_model`` is needed: at ``setup`` the strategy finds the model's repeated blocks (the layers of a
+    transformer, see :func:`~lightning_mgpu.utilities.blocks.find_repeated_blocks`) and calls torch's ``fully_shard``
+    on each, then on the LightningModule itself for the parameters outside the blocks (embeddings, heads, norms).
+    Those are gathered around each ``training_step``/``validation_step``/... call, so the module may call ``self(x)``,
+    its submodules, or its parameters directly. A module that already calls ``fully_shard`` in its own
+    ``configure_model`` is left as it is.
+
+    Precision: ``"bf16-mixed"`` computes with bfloat16 copies of the parameters (FSDP2's ``MixedPrecisionPolicy``)
+    under autocast, keeps float32 shards and reduces gradients in float32; ``"32-true"``, ``"64-true"``,
+    ``"bf16-true"`` and ``"16-true"`` shard parameters of that dtype. ``"16-mixed"`` is refused (it needs a gradient
+    scaler that agrees across shards): use ``"bf16-mixed"``.
+
+    Checkpoints are torch distributed checkpoints (a folder, each rank writing its own shards, nothing gathered);
+    ``python -m lightning_mgpu export CHECKPOINT OUT.pt`` turns one into a single-file state dict.
+
+    Args:
+        sharding: ``"full"`` shards parameters too, gathering each block for its forward and again for its backward
+            (ZeRO-3); ``"grad_op"`` keeps a block's gathered parameters from its forward to its backward and shards
+            gradients and optimizer state (ZeRO-2-like: less communication, more memory).
+        shard_units: ``"auto"`` (the repeated blocks) or class names of the modules to shard as units.
+        cpu_offload: keep parameter, gradient and optimizer shards in host memory (CUDA only), computing on the GPU.
+        activation_checkpointing: ``None``, ``"auto"`` (the repeated blocks) or class names of modules whose
+            activations are recomputed in the backward (torch's non-reentrant checkpoint).
+        sync_batchnorm: ``True`` converts BatchNorm layers into :class:`DistributedBatchNorm` (statistics over all
+            processes); ``"auto"`` does so when the model has BatchNorm layers.
+        save_distributed_checkpoint: ``False`` gathers full weights and optimizer state on rank 0 into one file.
+        timeout: process group timeout.
+        process_group_backend: ``None`` picks gloo for CPU and NCCL for CUDA.
+        accelerator: set by the Trainer.
+        parallel_devices: set by the Trainer.
+        cluster_environment: set by the Trainer.
+        checkpoint_io: set by the Trainer.
+        precision_plugin: set by the Trainer.
+
+    Raises:
+        ValueError: an unknown ``sharding``, an empty ``shard_units`` list (at construction); at ``setup``:
+            ``precision="16-mixed"``, ``cpu_offload=True`` on CPU devices, a class name that matches no module.
+
+    Example::
+
+        trainer = Trainer(strategy="mgpu_fsdp", devices=8, precision="bf16-mixed")
+        trainer = Trainer(strategy=MultiGPUStrategy(mode="fsdp", activation_checkpointing="auto"), devices=8)
+    """
+
+    def __init__(
+        self,
+        sharding: Sharding = "full",
+        shard_units: Literal["auto"] | list[str] = "auto",
+        cpu_offload: bool = False,
+        activation_checkpointing: Literal["auto"] | list[str] | None = None,
+        sync_batchnorm: bool | Literal["auto"] = "auto",
+        save_distributed_checkpoint: bool = True,
+        timeout: timedelta | None = default_pg_timeout,
+        process_group_backend: str | None = None,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        owner = type(self).__name__
+        check_choice(owner, "sharding", sharding, SHARDINGS)
+        check_class_names(owner, "shard_units", shard_units, allow_none=False)
+        check_class_names(owner, "activation_checkpointing", activation_checkpointing, allow_none=True)
+        check_bool(owner, "cpu_offload", cpu_offload)
+        check_choice(owner, "sync_batchnorm", sync_batchnorm, (True, False, "auto"))
+        check_bool(owner, "save_distributed_checkpoint", save_distributed_checkpoint)
+        super().__init__(
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.accelerator = accelerator
+        self.parallel_devices = parallel_devices
+        self.cluster_environment = cluster_environment
+        if checkpoint_io is not None:
+            self.checkpoint_io = checkpoint_io
+        if precision_plugin is not None:
+            self.precision_plugin = precision_plugin
+        self.sharding = sharding
+        self.shard_units = shard_units
+        self.cpu_offload = cpu_offload
+        self.activation_checkpointing = activation_checkpointing
+        self.sync_batchnorm = sync_batchnorm
+        self.units: list[str] = []  # the sharding units of the last setup, by module name ("" is the LightningModule)
+        self.checkpointed: list[str] = []
+        self.precision_name = "32-true"
+
+    @override
+    def setup_environment(self) -> None:
+        # one data-parallel mesh dimension over every process: FSDP shards over all of them
+        compat.set_mesh_sizes(self, self.num_nodes * self.num_processes, 1)
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        compat.check_lightning_internals(trainer, type(self).__name__)
+        self._check_setup(trainer)
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        if self.sync_batchnorm is True or (self.sync_batchnorm == "auto" and has_batchnorm(module)):
+            self.model = module = DeviceAgnosticSyncBatchNorm().apply(module)
+        self.model = module = self.precision_plugin.convert_module(module)
+        if any(isinstance(sub, FSDPModule) for sub in module.modules()):
+            rank_zero_info(f"{type(self).__name__}: the module shards itself in configure_model; left as it is.")
+        else:
+            self._shard(module)
+        compat.materialize_distributed_module(module, self.root_device)
+        if not self.cpu_offload:
+            self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING and not self.cpu_offload:
+            compat.optimizers_to_device(self.optimizers, self.root_device)
+
+    def _check_setup(self, trainer: "pl.Trainer") -> None:
+        self.precision_name = check_precision(type(self).__name__, str(trainer.precision))
+        if self.cpu_offload and self.root_device.type != "cuda":
+            raise ValueError(
+                f"{type(self).__name__}(cpu_offload=True) keeps shards in host memory for a GPU to compute with; on "
+                f"{self.root_device.type} devices they are in host memory already. Use cpu_offload=False."
+            )
+
+    def _shard(self, module: nn.Module) -> None:
+        names = {sub: name for name, sub in module.named_modules()}
+        blocks = find_repeated_blocks(module, None if self.shard_units == "auto" else self.shard_units)
+        if self.activation_checkpointing is not None:
+            self.checkpointed = apply_activation_checkpointing(
+                type(self).__name__, module, self.activation_checkpointing
+            )
+        param_dtype = _PARAM_DTYPES.get(self.precision_name)
+        offload = CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()
+        mesh = self.device_mesh["data_parallel"]
+        for block in blocks:
+            fully_shard(
+                block,
+                mesh=mesh,
+                reshard_after_forward=self.sharding == "full",
+                mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
+                offload_policy=offload,
+            )
+        # the root keeps its parameters gathered from forward to backward either way; its inputs are the whole batch
+        # (targets too), so they are not cast to the compute dtype
+        root_policy = MixedPrecisionPolicy(
+            param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
+        fully_shard(module, mesh=mesh, mp_policy=root_policy, offload_policy=offload)
+        for method in _STEP_METHODS:
+            register_fsdp_forward_method(module, method)
+        self.units = [names[block] for block in blocks] + [""]
+        rank_zero_info(
+            f"{type(self).__name__} sharded {type(module).__name__} over {mesh.size()} processes "
+            f"({self.sharding} sharding) in {len(self.units)} units: {_summarise(self.units)}"
+            + (f"; activations recomputed in {len(self.checkpointed)} blocks" if self.checkpointed else "")
+        )
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        # gradients are reduce-scattered after every backward, accumulation included: the shards stay small
+        yield
+
+    def local_parameter_count(self) -> int:
+        """Parameter elements this process holds (its shards), for comparing memory with DDP."""
+        return sum(_local(param).numel() for param in self.lightning_module.parameters())
+
+
+def check_precision(owner: str, precision: str) -> str:
+    """Return ``precision`` if FSDP supports it.
+
+    Raises:
+        ValueError: ``"16-mixed"`` (it needs a gradient scaler that agrees across shards) or another unsupported one.
+    """
+    if precision not in _SUPPORTED_PRECISIONS:
+        raise ValueError(
+            f"{owner} does not support Trainer(precision={precision!r}): fp16 mixed precision needs a gradient scaler "
+            f"that agrees across shards. Use one of {', '.join(_SUPPORTED_PRECISIONS)} (bf16-mixed keeps float32 "
+            "master weights)."
+        )
+    return precision
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(param, "to_local", None)
+    return to_local() if callable(to_local) else param
+
+
+def _summarise(names: list[str]) -> str:
+    shown = [name or "<root>" for name in names]
+    return ", ".join(shown) if len(shown) <= 6 else ", ".join([*shown[:3], "...", *shown[-2:]])

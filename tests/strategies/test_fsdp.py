@@ -1,0 +1,102 @@
+"""``FSDPStrategy`` / ``MultiGPUStrategy(mode="fsdp")`` in one process: options, refusals, sharding units."""
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from lightning_mgpu import FSDPStrategy, GradientClipping, MultiGPUStrategy, OOMBackoff
+from tests.helpers.tiny_transformer import TinyTransformer
+from tests.helpers.trainer import QUIET
+
+
+def fsdp_trainer(**kwargs) -> Trainer:
+    strategy = kwargs.pop("strategy", None) or MultiGPUStrategy(mode="fsdp")
+    return Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, **QUIET, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"sharding": "zero3"}, ValueError, r"sharding.*'full', 'grad_op'"),
+        ({"shard_units": []}, ValueError, r"shard_units must be 'auto' or a non-empty list of class names, got \[\]"),
+        ({"shard_units": "Block"}, TypeError, r"shard_units must be 'auto' or a non-empty list"),
+        ({"activation_checkpointing": "yes"}, TypeError, r"activation_checkpointing must be .*or None, got 'yes'"),
+        ({"cpu_offload": "yes"}, TypeError, r"cpu_offload"),
+    ],
+)
+def test_bad_options_fail_at_construction(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        FSDPStrategy(**kwargs)
+    with pytest.raises(error, match=match):
+        MultiGPUStrategy(mode="ddp", **kwargs)  # checked in every mode, not only when FSDP is chosen
+
+
+def test_registered_name_becomes_fsdp_and_shards_the_repeated_blocks():
+    trainer = Trainer(accelerator="cpu", devices=1, strategy="mgpu_fsdp", max_steps=2, **QUIET)
+    assert type(trainer.strategy) is FSDPStrategy
+    assert trainer.strategy.choice.mode == "fsdp"
+    model = TinyTransformer()
+    trainer.fit(model)
+    assert trainer.strategy.units == ["blocks.0", "blocks.1", "blocks.2", "blocks.3", ""]
+    assert isinstance(model, FSDPModule) and all(isinstance(block, FSDPModule) for block in model.blocks)
+    assert not isinstance(model.head, FSDPModule)  # the head's parameters belong to the root unit
+    assert trainer.global_step == 2
+
+
+def test_shard_units_by_class_name_and_an_unknown_name():
+    trainer = fsdp_trainer(strategy=MultiGPUStrategy(mode="fsdp", shard_units=["Linear"]))
+    trainer.fit(TinyTransformer(depth=2))
+    # every Linear (two per block and the head) is a unit of its own, and the root holds the rest
+    assert trainer.strategy.units == ["blocks.0.up", "blocks.0.down", "blocks.1.up", "blocks.1.down", "head", ""]
+    trainer = fsdp_trainer(strategy=MultiGPUStrategy(mode="fsdp", shard_units=["Layer"]))
+    with pytest.raises(ValueError, match=r"class name\(s\) \['Layer'\].*'Block'"):
+        trainer.fit(TinyTransformer(depth=2))
+
+
+def test_a_module_that_shards_itself_is_left_as_it_is():
+    class SelfSharded(TinyTransformer):
+        def configure_model(self):
+            for block in self.blocks:
+                fully_shard(block, mesh=self.device_mesh["data_parallel"])
+
+    trainer = fsdp_trainer()
+    model = SelfSharded()
+    trainer.fit(model)
+    assert trainer.strategy.units == []
+    assert not isinstance(model, FSDPModule) and isinstance(model.blocks[0], FSDPModule)
+
+
+def test_fp16_mixed_precision_is_refused_when_the_trainer_is_built():
+    with pytest.raises(ValueError, match=r"precision='16-mixed'.*bf16-mixed keeps float32 master weights"):
+        fsdp_trainer(plugins=[MixedPrecision("16-mixed", "cuda")])
+
+
+def test_bf16_mixed_computes_in_bf16_and_keeps_float32_shards():
+    trainer = fsdp_trainer(precision="bf16-mixed")
+    model = TinyTransformer()
+    dtypes = []
+    model.blocks[0].register_forward_hook(lambda module, args, out: dtypes.append(module.up.weight.dtype))
+    trainer.fit(model)
+    assert set(dtypes) == {torch.bfloat16}
+    assert {param.dtype for param in model.parameters()} == {torch.float32}
+
+
+def test_cpu_offload_on_cpu_is_refused():
+    trainer = fsdp_trainer(strategy=MultiGPUStrategy(mode="fsdp", cpu_offload=True))
+    with pytest.raises(ValueError, match=r"cpu_offload=True.*on cpu devices.*cpu_offload=False"):
+        trainer.fit(TinyTransformer())
+
+
+def test_oom_backoff_refuses_fsdp_naming_what_to_use():
+    trainer = fsdp_trainer(callbacks=[OOMBackoff()])
+    with pytest.raises(MisconfigurationException, match=r"does not run under FSDPStrategy.*activation_checkpointing"):
+        trainer.fit(TinyTransformer())
+
+
+def test_gradient_clipping_refuses_what_needs_whole_gradients_under_fsdp():
+    trainer = fsdp_trainer(callbacks=[GradientClipping(mode="agc", clip_factor=0.01)])
+    with pytest.raises(MisconfigurationException, match=r"mode=.agc.*not supported under FSDPStrategy"):
+        trainer.fit(TinyTransformer())

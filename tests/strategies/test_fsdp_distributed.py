@@ -1,0 +1,102 @@
+"""FSDP2 sharding of an unmodified module (``strategy="mgpu_fsdp"``) on 2 gloo processes, against a DDP reference.
+
+Each fit runs ``tests/helpers/sharded_fit.py`` as a user's script (Lightning re-runs it for rank 1); rank 0 writes
+the full parameters gathered from the shards. The runs are shared by the tests of this module.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_mgpu.utilities.sharded_checkpoint import export_state_dict
+from tests.helpers.processes import run_script
+from tests.helpers.tiny_transformer import PlainTransformer, TinyTransformer
+
+SCRIPT = Path(__file__).parents[1] / "helpers" / "sharded_fit.py"
+
+
+def fit(out: Path, *args: object) -> dict:
+    result = run_script(SCRIPT, "--out", out, *args, timeout=150)
+    assert not result["hung"] and result["rc"] == 0, result["output"][-4000:]
+    record = torch.load(out / "result.pt", weights_only=False)
+    record["output"] = result["output"]
+    return record
+
+
+def max_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[name] - b[name]).abs().max().item() for name in a)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    cache: dict = {}
+
+    def get(name: str, *args: object) -> dict:
+        if name not in cache:
+            cache[name] = fit(tmp_path_factory.mktemp(name), *args)
+        return cache[name]
+
+    return get
+
+
+def test_fsdp_trains_like_ddp_with_half_the_parameters_per_rank(runs):
+    sharded = runs("fsdp20", "--steps", 20)
+    reference = runs("ddp20", "--strategy", "ddp", "--steps", 20)
+    assert sharded["strategy"] == "FSDPStrategy" and reference["strategy"] == "MultiGPUStrategy"
+    assert sharded["global_step"] == reference["global_step"] == 20
+    assert max_difference(sharded["params"], reference["params"]) <= 1e-6
+    torch.manual_seed(0)
+    initial = {name: param.detach() for name, param in TinyTransformer().named_parameters()}
+    assert max_difference(sharded["params"], initial) > 1e-2  # the 20 steps did train
+    # each rank holds half of every parameter (sizes here are even), DDP a full copy
+    assert sharded["local_numel"] == [sharded["total_numel"] // 2] * 2
+    assert reference["local_numel"] == [reference["total_numel"]] * 2
+    assert sharded["units"] == ["blocks.0", "blocks.1", "blocks.2", "blocks.3", ""]
+    assert "in 5 units: blocks.0, blocks.1, blocks.2, blocks.3, <root>" in sharded["output"]
+
+
+def test_sharded_checkpoint_resumes_exactly_and_exports_for_a_plain_module(runs, tmp_path):
+    first = fit(tmp_path / "first", "--steps", 10, "--save-at", 10)
+    (checkpoint,) = (tmp_path / "first" / "ckpt").iterdir()
+    # a folder of per-rank shards: nothing was gathered on one rank
+    assert checkpoint.is_dir() and sorted(p.name for p in checkpoint.glob("*.distcp")) == [
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
+    resumed = fit(tmp_path / "resumed", "--steps", 20, "--resume", checkpoint)
+    assert resumed["global_step"] == 20
+    assert max_difference(resumed["params"], runs("fsdp20", "--steps", 20)["params"]) == 0.0
+
+    state = export_state_dict(checkpoint, tmp_path / "model.pt")
+    net = PlainTransformer()
+    net.load_state_dict(torch.load(tmp_path / "model.pt"))
+    assert max_difference(dict(net.named_parameters()), first["params"]) == 0.0
+    assert state.keys() == first["params"].keys()
+
+
+def test_a_nan_in_one_ranks_shard_is_skipped_on_both_ranks(runs):
+    # the NaN is in one element of rank 1's gradient shard only; a NaN loss on rank 1 poisons every gradient
+    shard = runs("nan_shard", "--steps", 12, "--nan-shard", 1, 5)
+    loss = runs("nan_loss", "--steps", 12, "--nan-at", 1, 5)
+    assert shard["skipped"] == loss["skipped"] == [1, 1]
+    assert max_difference(shard["params"], loss["params"]) == 0.0
+    assert all(torch.isfinite(p).all() for p in shard["params"].values())
+
+
+def test_norm_clipping_under_fsdp_equals_ddp(runs):
+    sharded = runs("clip_fsdp", "--steps", 12, "--clip", 0.05)
+    reference = runs("clip_ddp", "--strategy", "ddp", "--steps", 12, "--clip", 0.05)
+    unclipped = runs("nan_loss", "--steps", 12, "--nan-at", 1, 5)
+    assert max_difference(sharded["params"], reference["params"]) <= 1e-6
+    assert max_difference(sharded["params"], unclipped["params"]) > 1e-3  # the clip did act
+
+
+def test_activation_checkpointing_recomputes_dropout_exactly(runs):
+    sharded = runs("ac_fsdp", "--steps", 12, "--activation-checkpointing", "--dropout", 0.1)
+    ddp_ac = runs("ac_ddp", "--strategy", "ddp", "--steps", 12, "--activation-checkpointing", "--dropout", 0.1)
+    reference = runs("dropout_ddp", "--strategy", "ddp", "--steps", 12, "--dropout", 0.1)
+    assert sharded["checkpointed"] == ddp_ac["checkpointed"] == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    assert max_difference(sharded["params"], reference["params"]) <= 1e-6
+    assert max_difference(ddp_ac["params"], reference["params"]) <= 1e-6
