@@ -85,6 +85,7 @@ LIGHTNING_INTERNALS: tuple[Internal, ...] = (
     ),
     Internal("_FitLoop._should_accumulate", lambda t: _has(t.fit_loop, "_should_accumulate")),
     Internal("_FitLoop._combined_loader", lambda t: _has(t.fit_loop, "_combined_loader")),
+    Internal("_FitLoop._data_source", lambda t: _has(t.fit_loop, "_data_source")),
     Internal("LightningModule._current_fx_name", lambda t: _has(t.lightning_module, "_current_fx_name")),
     Internal("LightningModule._call_batch_hook", lambda t: _has(pl.LightningModule, "_call_batch_hook")),
     *(
@@ -607,3 +608,16 @@ def optimizers_to_device(optimizers: list[Optimizer], device: torch.device) -> N
     from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
     _optimizers_to_device(optimizers, device)
+
+
+def train_dataloader(trainer: "pl.Trainer") -> Any:
+    """The training dataloader(s) the fit will use, built afresh on every call (2.5.2-2.6.6).
+
+    From ``fit``'s argument, the datamodule or the module's ``train_dataloader`` hook: Lightning's fit-loop data source.
+    """
+    return trainer.fit_loop._data_source.dataloader()
+
+
+def set_launcher(strategy: "pl.strategies.Strategy", launcher: Any) -> None:
+    """Give a strategy the launcher another one built (Lightning's ``Strategy._launcher``, 2.5.2-2.6.6)."""
+    strategy._launcher = launcher

@@ -207,6 +207,24 @@ class FSDPStrategy(ModelParallelStrategy):
         # gradients are reduce-scattered after every backward, accumulation included: the shards stay small
         yield
 
+    @override
+    def on_validation_end(self) -> None:
+        self._reshard()
+
+    @override
+    def on_test_end(self) -> None:
+        self._reshard()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._reshard()
+
+    def _reshard(self) -> None:
+        # a forward without backward (evaluation) leaves grad_op units, and the root, gathered: free them now
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
     def local_parameter_count(self) -> int:
         """Parameter elements this process holds (its shards), for comparing memory with DDP."""
         return sum(_local(param).numel() for param in self.lightning_module.parameters())

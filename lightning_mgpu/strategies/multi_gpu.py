@@ -3,12 +3,14 @@
 from datetime import timedelta
 from typing import Any, Literal
 
+import lightning.pytorch as pl
 import torch
 import torch.multiprocessing as mp
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
@@ -22,8 +24,10 @@ from lightning_mgpu.strategies.ddp import (
     TunableCommHook,
 )
 from lightning_mgpu.strategies.fsdp import FSDPStrategy, Sharding, check_precision
+from lightning_mgpu.strategies.memory_planning import make_plan
 from lightning_mgpu.strategies.single_device import SingleDeviceStrategy
 from lightning_mgpu.utilities.devices import accelerator_name
+from lightning_mgpu.utilities.memory_plan import MemoryPlan, require_fit
 from lightning_mgpu.utilities.strategy_choice import (
     MODES,
     LaunchContext,
@@ -34,7 +38,7 @@ from lightning_mgpu.utilities.strategy_choice import (
     force_mode,
     is_interactive,
 )
-from lightning_mgpu.utilities.validation import check_choice
+from lightning_mgpu.utilities.validation import check_choice, check_positive
 
 _START_METHODS = {"ddp": "popen", "ddp_spawn": "spawn", "ddp_fork": "fork"}
 
@@ -88,6 +92,8 @@ class MultiGPUStrategy(DDPStrategy):
         cpu_offload: FSDP only: keep the shards in host memory (CUDA).
         activation_checkpointing: DDP and FSDP: ``None``, ``"auto"`` (the repeated blocks) or class names of modules
             whose activations are recomputed in the backward.
+        memory_budget_mb: with ``mode="auto"`` and several processes, plan against this many MB per device instead of
+            the device's free memory; the plan (see below) then runs on CPU too.
         timeout: process group timeout.
         process_group_backend: ``None`` picks gloo for CPU and NCCL for CUDA.
         accelerator: set by the Trainer.
@@ -132,6 +138,7 @@ class MultiGPUStrategy(DDPStrategy):
         shard_units: Literal["auto"] | list[str] = "auto",
         cpu_offload: bool = False,
         activation_checkpointing: Literal["auto"] | list[str] | None = None,
+        memory_budget_mb: float | None = None,
         timeout: timedelta | None = default_pg_timeout,
         process_group_backend: str | None = None,
         accelerator: Accelerator | None = None,
@@ -142,6 +149,8 @@ class MultiGPUStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         check_choice(type(self).__name__, "mode", mode, MODES)
+        if memory_budget_mb is not None:
+            check_positive(type(self).__name__, "memory_budget_mb", memory_budget_mb, unit="MB", hint="or None")
         # checked now by the class that uses them, so a bad value fails at construction in every mode
         self.fsdp_options = dict(sharding=sharding, shard_units=shard_units, cpu_offload=cpu_offload)
         FSDPStrategy(**self.fsdp_options, activation_checkpointing=activation_checkpointing)
@@ -168,6 +177,8 @@ class MultiGPUStrategy(DDPStrategy):
             **kwargs,
         )
         self.mode = mode
+        self.memory_budget_mb = memory_budget_mb
+        self.plan: MemoryPlan | None = None
         compat.check_launch_hook(self)
 
     @override
@@ -187,6 +198,52 @@ class MultiGPUStrategy(DDPStrategy):
         compat.set_start_method(self, _START_METHODS[self.choice.mode])
         return True
 
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        if not self._plans(trainer):
+            super().setup(trainer)
+            return
+        compat.check_lightning_internals(trainer, type(self).__name__)
+        shard_units = self.fsdp_options["shard_units"]
+        self.plan = make_plan(trainer, self, self.memory_budget_mb, None if shard_units == "auto" else shard_units)
+        option = require_fit(self.plan)
+        rank_zero_info(f"{type(self).__name__} memory plan:\n{self.plan.table()}")
+        if option == "ddp":
+            super().setup(trainer)
+            return
+        self._switch_to_fsdp(trainer, option)
+
+    def _plans(self, trainer: "pl.Trainer") -> bool:
+        # the plan needs the model and its data, known only now; on CPU it runs when given a budget, since host memory
+        # rarely limits a CPU run and measuring costs one extra forward pass
+        return (
+            self.mode == "auto"
+            and trainer.state.fn == TrainerFn.FITTING
+            and self.world_size > 1
+            and (self.memory_budget_mb is not None or self.root_device.type == "cuda")
+        )
+
+    def _switch_to_fsdp(self, trainer: "pl.Trainer", option: str) -> None:
+        # the processes and their process group exist already: FSDPStrategy joins them and builds its device mesh
+        plan, launcher, model, num_nodes = self.plan, self.launcher, self.lightning_module, self.num_nodes
+        self._become_fsdp(
+            StrategyChoice(
+                "fsdp",
+                f"the memory plan chose {option!r}: DDP needs {plan.row('ddp').total_mb:,.1f} MB a device, "
+                f"{plan.budget_mb * (1 - plan.margin):,.1f} MB are usable",
+            ),
+            sharding="grad_op" if option == "fsdp_grad_op" else "full",
+            activation_checkpointing="auto" if "_ac" in option else self.activation_checkpointing,
+            cpu_offload=option.endswith("offload"),
+            launch=False,
+        )
+        self.num_nodes = num_nodes
+        compat.set_launcher(self, launcher)
+        self.connect(model)
+        self.plan = plan
+        self.setup_environment()
+        self.setup(trainer)
+
     def launch_context(self) -> LaunchContext:
         """Describe the hardware and launch context this strategy was configured with."""
         env = self.cluster_environment
@@ -202,7 +259,7 @@ class MultiGPUStrategy(DDPStrategy):
             fork_available="fork" in mp.get_all_start_methods(),
         )
 
-    def _become_fsdp(self, choice: StrategyChoice) -> None:
+    def _become_fsdp(self, choice: StrategyChoice, launch: bool = True, **overrides: Any) -> None:
         # FSDPStrategy derives from Lightning's ModelParallelStrategy, which builds its own launcher
         plugins = compat.strategy_plugins(self)
         # the Trainer's precision is known now: refuse fp16 mixed precision when the Trainer is built, not at fit
@@ -217,11 +274,13 @@ class MultiGPUStrategy(DDPStrategy):
             parallel_devices=self.parallel_devices,
             cluster_environment=self.cluster_environment,
         )
+        settings.update(overrides)
         num_nodes = self.num_nodes
         compat.become(self, FSDPStrategy, **settings, **plugins)
         self.num_nodes = num_nodes
         self.choice = choice
-        compat.configure_launcher(self)
+        if launch:
+            compat.configure_launcher(self)
 
     def _become_other_strategy(self, choice: StrategyChoice) -> None:
         # The Trainer holds on to this object, so it turns into the chosen strategy in place. Only what the

@@ -65,6 +65,8 @@ class Record(Callback):
                     "strategy": type(strategy).__name__,
                     "global_step": trainer.global_step,
                     "skipped": skipped,
+                    "plan": getattr(strategy, "plan", None),
+                    "choice": strategy.choice,
                 },
                 self.out / "result.pt",
             )
@@ -85,6 +87,7 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=None)
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--budget", type=float, default=None, help="memory_budget_mb, with --strategy auto")
     parser.add_argument("--samples", type=int, default=80, help="80: 10 steps an epoch, so step 10 ends one")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -93,6 +96,8 @@ def main() -> None:
     ac = "auto" if args.activation_checkpointing else None
     if args.strategy == "mgpu_fsdp":
         strategy = MultiGPUStrategy(mode="fsdp", sharding=args.sharding, activation_checkpointing=ac)
+    elif args.strategy == "auto":
+        strategy = MultiGPUStrategy(mode="auto", bucket_cap_mb=None, memory_budget_mb=args.budget)
     elif args.strategy == "ddp":
         strategy = MultiGPUStrategy(mode="ddp", bucket_cap_mb=None, activation_checkpointing=ac)
     else:

@@ -100,3 +100,30 @@ def test_activation_checkpointing_recomputes_dropout_exactly(runs):
     assert sharded["checkpointed"] == ddp_ac["checkpointed"] == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
     assert max_difference(sharded["params"], reference["params"]) <= 1e-6
     assert max_difference(ddp_ac["params"], reference["params"]) <= 1e-6
+
+
+def test_memory_budget_keeps_ddp_when_it_fits(runs):
+    record = runs("auto_large", "--strategy", "auto", "--budget", 1000, "--steps", 20)
+    assert record["strategy"] == "MultiGPUStrategy" and record["plan"].chosen == "ddp"
+    assert record["choice"].mode == "ddp"
+    assert max_difference(record["params"], runs("ddp20", "--strategy", "ddp", "--steps", 20)["params"]) <= 1e-6
+
+
+def test_memory_budget_shards_when_only_the_sharded_setup_fits(runs):
+    plan = runs("auto_large", "--strategy", "auto", "--budget", 1000, "--steps", 20)["plan"]
+    ddp, grad_op = plan.row("ddp").total_mb, plan.row("fsdp_grad_op").total_mb
+    budget = 0.99 * ddp / (1 - plan.margin)  # DDP misses by 1%, the sharded setup fits
+    assert grad_op < 0.99 * ddp
+    record = runs("auto_small", "--strategy", "auto", "--budget", budget, "--steps", 20)
+    assert record["strategy"] == "FSDPStrategy" and record["plan"].chosen == "fsdp_grad_op"
+    assert "the memory plan chose 'fsdp_grad_op'" in record["choice"].reason
+    assert record["local_numel"] == [record["total_numel"] // 2] * 2  # resharded after validation too
+    assert max_difference(record["params"], runs("fsdp20", "--steps", 20)["params"]) <= 1e-6
+    assert "chosen: fsdp_grad_op" in record["output"]
+
+
+def test_memory_budget_that_nothing_fits_stops_every_rank_with_the_smallest_need(tmp_path):
+    result = run_script(SCRIPT, "--out", tmp_path, "--strategy", "auto", "--budget", 0.001, timeout=150)
+    assert not result["hung"] and result["rc"] != 0
+    assert result["output"].count("MemoryPlanError: no way to train this model fits: the smallest need is") == 2
+    assert "fsdp_full_ac" in result["output"] and "a larger memory_budget_mb" in result["output"]

@@ -1,0 +1,213 @@
+"""FSDP2 (``strategy="mgpu_fsdp"``) against DDP on 2 CPU processes: step time, memory per rank, and the plan's estimate.
+
+The model fits both ways: a stack of 8 residual MLP blocks of width 512 (about 17M parameters, 67 MB in fp32) under an
+embedding and a head, trained with AdamW on synthetic tokens, batch 8 x 64 tokens per process, gloo, one thread per
+process. Setups, in alternating rounds, each a fresh pair of processes launched by Lightning:
+
+- ``ddp``: ``MultiGPUStrategy(mode="ddp")`` (DDP with torch's default buckets);
+- ``fsdp``: ``MultiGPUStrategy(mode="fsdp")`` (parameters, gradients and optimizer state sharded, ZeRO-3);
+- ``fsdp_grad_op``: ``MultiGPUStrategy(mode="fsdp", sharding="grad_op")`` (parameters kept gathered from forward
+  to backward).
+
+Step time is the mean over the steps after the first ``--warmup``, on rank 0. Memory is each rank's resident set
+(``/proc/self/statm``) sampled before every optimizer step and at every batch end after the warm-up, minus the
+resident set before the model was built: what training added. The memory plan's per-device estimate
+(``lightning_mgpu.utilities.memory_plan``, activations measured on one micro-batch) is printed next to it.
+
+    python benchmarks/fsdp_vs_ddp.py                     # 3 rounds of 40 steps, first 5 not timed
+    python benchmarks/fsdp_vs_ddp.py --rounds 1 --steps 20
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+from _common import add_json_out, describe_machine, ratio_row, run_worker, write_rows
+
+SETUPS = {"ddp": {"mode": "ddp", "bucket_cap_mb": None}, "fsdp": {"mode": "fsdp"}}
+SETUPS["fsdp_grad_op"] = {"mode": "fsdp", "sharding": "grad_op"}
+PLAN_ROWS = {"ddp": "ddp", "fsdp": "fsdp_full", "fsdp_grad_op": "fsdp_grad_op"}
+RESULT_PREFIX = "FSDP_VS_DDP_RESULT "
+VOCAB, CONTEXT, WIDTH, DEPTH = 256, 64, 512, 8
+
+
+def build_module(batch_size: int, steps: int):
+    """The benchmark's LightningModule (imports torch and Lightning when called)."""
+    import lightning.pytorch as pl
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(WIDTH)
+            self.up = nn.Linear(WIDTH, 4 * WIDTH)
+            self.down = nn.Linear(4 * WIDTH, WIDTH)
+
+        def forward(self, x):
+            return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, WIDTH)
+            self.blocks = nn.ModuleList(Block() for _ in range(DEPTH))
+            self.head = nn.Linear(WIDTH, VOCAB)
+
+        def forward(self, tokens):
+            x = self.embed(tokens)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+        def training_step(self, batch, batch_idx):
+            tokens, targets = batch
+            return nn.functional.cross_entropy(self(tokens).flatten(0, 1), targets.flatten())
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+        def train_dataloader(self):
+            generator = torch.Generator().manual_seed(0)
+            tokens = torch.randint(0, VOCAB, (2 * batch_size * steps, CONTEXT + 1), generator=generator)
+            return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch_size)
+
+    return Model()
+
+
+def worker(name: str, args: argparse.Namespace) -> None:
+    import torch
+    from lightning.pytorch import Callback, Trainer
+
+    from lightning_mgpu import MultiGPUStrategy
+    from lightning_mgpu.utilities.host_memory import process_rss_mb
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    baseline = process_rss_mb()
+    model = build_module(args.batch_size, args.steps)
+
+    class Measure(Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.rss: list[float] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.times.append(time.perf_counter())
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            if trainer.global_step >= args.warmup:
+                self.rss.append(process_rss_mb())
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step > args.warmup:
+                self.rss.append(process_rss_mb())
+
+    measure = Measure()
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=MultiGPUStrategy(**SETUPS[name]),
+        max_steps=args.steps,
+        callbacks=[measure],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model)
+    peaks = trainer.strategy.all_gather(torch.tensor(max(measure.rss) - baseline)).tolist()
+    if trainer.global_rank == 0:
+        steps = [b - a for a, b in zip(measure.times, measure.times[1:], strict=False)][args.warmup :]
+        result = {"ms_per_step": 1000 * statistics.mean(steps), "added_rss_mb": peaks}
+        print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def plan_estimates(args: argparse.Namespace) -> dict[str, float]:
+    """The memory plan's per-device totals for the benchmark model, world size 2, activations measured here."""
+    import torch
+
+    from lightning_mgpu.utilities.blocks import find_repeated_blocks
+    from lightning_mgpu.utilities.memory_plan import (
+        measure_activation_bytes,
+        model_memory,
+        optimizer_state_bytes,
+        plan_memory,
+    )
+
+    torch.manual_seed(0)
+    model = build_module(args.batch_size, args.steps)
+    tokens, targets = next(iter(model.train_dataloader()))
+    blocks = find_repeated_blocks(model)
+    activations, checkpointed = measure_activation_bytes(
+        lambda: model.training_step((tokens, targets), 0), blocks, model
+    )
+    optimizer = model.configure_optimizers()
+    memory = model_memory(
+        model, optimizer_state_bytes(optimizer, list(model.parameters())), activations, checkpointed, blocks
+    )
+    plan = plan_memory(memory, world_size=2, budget_mb=1e9, budget_source="benchmark (no limit)")
+    print(plan.table())
+    return {setup: plan.row(option).total_mb for setup, option in PLAN_ROWS.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", choices=sorted(SETUPS), help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5, help="first steps not timed or sampled")
+    parser.add_argument("--batch-size", type=int, default=8)
+    add_json_out(parser)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args)
+        return
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    names = list(SETUPS)
+    print(f"machine: {describe_machine()}")
+    print(
+        f"model: {DEPTH} residual MLP blocks of width {WIDTH}, vocab {VOCAB}, batch {args.batch_size}x{CONTEXT} tokens"
+        f"/process, AdamW, 2 processes (gloo, 1 thread each), {args.steps} steps, first {args.warmup} not timed, "
+        f"{args.rounds} alternating rounds"
+    )
+    estimates = plan_estimates(args)
+    results = []
+    for round_index in range(args.rounds):
+        order = names if round_index % 2 == 0 else list(reversed(names))
+        extra = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-size", str(args.batch_size)]
+        measured = {name: run_worker(__file__, [name, *extra], RESULT_PREFIX) for name in order}
+        results.append(measured)
+        print(
+            f"round {round_index + 1}: "
+            + ", ".join(
+                f"{n} {measured[n]['ms_per_step']:.1f} ms/step, +{max(measured[n]['added_rss_mb']):.0f} MB/rank"
+                for n in names
+            )
+        )
+    print(f"\n{'setup':<14}{'ms/step':>10}{'vs ddp':>9}{'added MB/rank (max over ranks)':>34}{'plan estimate MB':>18}")
+    for name in names:
+        step = statistics.median(r[name]["ms_per_step"] for r in results)
+        ratio = statistics.median(r[name]["ms_per_step"] / r["ddp"]["ms_per_step"] for r in results)
+        memory = statistics.median(max(r[name]["added_rss_mb"]) for r in results)
+        print(f"{name:<14}{step:>10.1f}{ratio:>9.3f}{memory:>34.0f}{estimates[name]:>18.0f}")
+    rows = [
+        ratio_row(
+            "fsdp_vs_ddp",
+            name,
+            "step time vs DDP (lower is faster)",
+            [r[name]["ms_per_step"] / r["ddp"]["ms_per_step"] for r in results],
+            "lower",
+            'MultiGPUStrategy(mode="ddp")',
+        )
+        for name in names
+        if name != "ddp"
+    ]
+    write_rows(args.json_out, rows)
+
+
+if __name__ == "__main__":
+    main()
