@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 
 # public name -> the module it is imported from on first use
 _EXPORTS: dict[str, str] = {
+    "BatchSizeSearch": "lightning_mgpu.callbacks",
     "DDPStrategy": "lightning_mgpu.strategies",
     "DataParallelStrategy": "lightning_mgpu.strategies",
     "DeviceAgnosticSyncBatchNorm": "lightning_mgpu.strategies",
@@ -37,6 +38,7 @@ _SUBPACKAGES = ("callbacks", "cli", "configs", "strategies", "utilities")
 
 if TYPE_CHECKING:
     from lightning_mgpu.callbacks import (
+        BatchSizeSearch,
         GPUMemoryMonitor,
         GradientClipping,
         MemoryHeadroomWarning,
@@ -92,6 +94,7 @@ if not _imported_by_python_m():
     register_strategies()
 
 __all__ = [
+    "BatchSizeSearch",
     "DDPStrategy",
     "DataParallelStrategy",
     "DeviceAgnosticSyncBatchNorm",

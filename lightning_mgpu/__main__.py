@@ -38,6 +38,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     export.add_argument("checkpoint", help="a torch distributed checkpoint folder or a checkpoint file")
     export.add_argument("out", help="the file to write (torch.save of the state dict)")
     export.add_argument("--prefix", default="", help="keep only keys starting with this, without it (e.g. model.)")
+    plan = commands.add_parser("plan", help="the memory plan of a LightningModule: DDP or how much FSDP sharding fits")
+    plan.add_argument("--model", required=True, help="the LightningModule's class, package.module:ClassName")
+    plan.add_argument("--init-args", default=None, help="its constructor's arguments as a JSON object")
+    plan.add_argument("--devices", type=int, default=1, help="processes that would train (the world size)")
+    plan.add_argument("--budget-mb", type=float, default=None, help="memory per device; default: the device's")
+    plan.add_argument("--shard-units", nargs="+", default=None, help="class names of the sharding units")
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help(sys.stderr)
@@ -49,6 +55,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name in CONFIG_NAMES:
                 print(f"{name:<16} {config_summary(name)}\n{'':<16} {config_path(name)}")
         return 0
+    if args.command == "plan":
+        from lightning_mgpu.commands.plan import model_plan, parse_init_args
+
+        try:
+            memory_plan = model_plan(
+                args.model, parse_init_args(args.init_args), args.devices, args.budget_mb, args.shard_units
+            )
+        except ValueError as err:
+            plan.error(str(err))
+        print(memory_plan.table())
+        return 0 if memory_plan.chosen is not None else 1
     if args.command == "export":
         from lightning_mgpu.utilities.sharded_checkpoint import export_state_dict
 

@@ -1,11 +1,13 @@
 """Callbacks, one per module, re-exported here."""
 
+from lightning_mgpu.callbacks.batch_size_search import BatchSizeSearch
 from lightning_mgpu.callbacks.gpu_memory_monitor import GPUMemoryMonitor, MemoryHeadroomWarning
 from lightning_mgpu.callbacks.gradient_clipping import GradientClipping
 from lightning_mgpu.callbacks.nan_skip import NaNSkip, NonFiniteStepsError
 from lightning_mgpu.callbacks.oom_backoff import OOMBackoff, OOMRecoveryError
 
 __all__ = [
+    "BatchSizeSearch",
     "GPUMemoryMonitor",
     "GradientClipping",
     "MemoryHeadroomWarning",

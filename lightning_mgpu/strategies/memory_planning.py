@@ -5,8 +5,9 @@ about to train. The measurement leaves no trace: the micro-batch's ``self.log`` 
 number generators and BatchNorm statistics are put back, and no gradient is kept.
 """
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -18,6 +19,7 @@ from lightning_mgpu import compat
 from lightning_mgpu.utilities.blocks import find_repeated_blocks
 from lightning_mgpu.utilities.memory_plan import (
     MemoryPlan,
+    ModelMemory,
     device_budget_mb,
     measure_activation_bytes,
     model_memory,
@@ -37,7 +39,7 @@ def make_plan(
 
     Args:
         trainer: the trainer, after its ``setup`` hooks and before the strategy wraps the model.
-        strategy: the strategy whose processes train (one all-reduce of two numbers over its process group).
+        strategy: the strategy whose processes train (one all-reduce of three numbers over its process group).
         budget_mb: the user's per-device budget, or ``None`` for the device's (free CUDA memory, or available host
             memory shared by this host's processes).
         shard_units: class names of the sharding units, ``None`` for the repeated blocks.
@@ -46,28 +48,17 @@ def make_plan(
         RuntimeError: the device's budget cannot be read and none was given.
     """
     module = trainer.lightning_module
-    blocks = find_repeated_blocks(module, shard_units)
-    activations, checkpointed = _measure_activations(trainer, strategy, blocks)
-    optimizer = _first_optimizer(module.configure_optimizers())
-    params = [param for param in module.parameters() if param.requires_grad]
-    optimizer_bytes = optimizer_state_bytes(optimizer if optimizer is not None else torch.optim.AdamW, params)
-    if budget_mb is not None:
-        budget, source = float(budget_mb), "memory_budget_mb"
-    else:
-        found = device_budget_mb(strategy.root_device, processes_on_host=strategy.num_processes)
-        if found is None:
-            raise RuntimeError(
-                f"{type(strategy).__name__}: the memory of {strategy.root_device} cannot be read; give "
-                "memory_budget_mb=<MB per device> to plan against"
-            )
-        budget, source = found
+    batch = strategy.batch_to_device(first_batch(trainer))
+    module.to(strategy.root_device)
+    memory = measure_model(module, batch, shard_units, strategy.precision_plugin.train_step_context())
+    budget, source = plan_budget(strategy.root_device, strategy.num_processes, budget_mb)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         # every rank must choose the same setup: the least room and the largest activations decide
-        numbers = torch.tensor([-budget, float(activations), float(checkpointed)], dtype=torch.float64)
-        dist.all_reduce(numbers, op=dist.ReduceOp.MAX)
-        budget, activations, checkpointed = -numbers[0].item(), int(numbers[1]), int(numbers[2])
-        source += " (the smallest over ranks)"
-    memory = model_memory(module, optimizer_bytes, activations, checkpointed, blocks)
+        numbers = [-budget, float(memory.activation_bytes), float(memory.checkpointed_activation_bytes)]
+        agreed = torch.tensor(numbers, dtype=torch.float64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        budget, source = -agreed[0].item(), source + " (the smallest over ranks)"
+        memory = replace(memory, activation_bytes=int(agreed[1]), checkpointed_activation_bytes=int(agreed[2]))
     return plan_memory(
         memory,
         world_size=strategy.world_size,
@@ -75,6 +66,47 @@ def make_plan(
         budget_source=source,
         cpu_offload_possible=strategy.root_device.type == "cuda",
     )
+
+
+def measure_model(
+    module: "pl.LightningModule",
+    batch: Any,
+    shard_units: list[str] | None = None,
+    step_context: AbstractContextManager | None = None,
+) -> ModelMemory:
+    """Measure ``module`` on ``batch``: one ``training_step`` forward (no backward), leaving no trace.
+
+    The optimizer state is estimated from ``configure_optimizers()`` (called once, its result dropped; AdamW's when
+    it returns no optimizer).
+
+    Args:
+        module: the LightningModule, on the device ``batch`` is on.
+        batch: one micro-batch as the training loop would pass it.
+        shard_units: class names of the sharding units, ``None`` for the repeated blocks.
+        step_context: the precision plugin's training-step context (autocast), if any.
+    """
+    blocks = find_repeated_blocks(module, shard_units)
+    calls: list[LogCall] = []
+    with untouched(module), capture_logs(module, calls, samples=1), step_context or nullcontext():
+        activations, checkpointed = measure_activation_bytes(lambda: module.training_step(batch, 0), blocks, module)
+    optimizer = _first_optimizer(module.configure_optimizers())
+    params = [param for param in module.parameters() if param.requires_grad]
+    optimizer_bytes = optimizer_state_bytes(optimizer if optimizer is not None else torch.optim.AdamW, params)
+    return model_memory(module, optimizer_bytes, activations, checkpointed, blocks)
+
+
+def plan_budget(device: torch.device, processes_on_host: int, budget_mb: float | None) -> tuple[float, str]:
+    """The budget to plan with: the user's, or the device's.
+
+    Raises:
+        RuntimeError: the device's memory cannot be read and no budget was given.
+    """
+    if budget_mb is not None:
+        return float(budget_mb), "memory_budget_mb"
+    found = device_budget_mb(device, processes_on_host=processes_on_host)
+    if found is None:
+        raise RuntimeError(f"the memory of {device} cannot be read; give memory_budget_mb=<MB per device> to plan")
+    return found
 
 
 def _first_optimizer(configured: Any) -> Optimizer | None:
@@ -86,24 +118,30 @@ def _first_optimizer(configured: Any) -> Optimizer | None:
     return configured if isinstance(configured, Optimizer) else None
 
 
-def _measure_activations(
-    trainer: "pl.Trainer", strategy: "pl.strategies.Strategy", blocks: list[torch.nn.Module]
-) -> tuple[int, int]:
-    module = trainer.lightning_module
-    loaders = compat.train_dataloader(trainer)
-    loader = _first_loader(loaders)
-    batch = strategy.batch_to_device(next(iter(loader)))
-    module.to(strategy.root_device)
-    calls: list[LogCall] = []
-    with _untouched(module), capture_logs(module, calls, samples=1), strategy.precision_plugin.train_step_context():
-        return measure_activation_bytes(_step(module, batch), blocks, module)
+def first_batch(trainer: "pl.Trainer") -> Any:
+    """The first batch of a fresh training dataloader, leaving the random generators as they were.
+
+    A shuffling loader draws its seed from torch's global generator, and so does starting its iterator.
+    """
+    with kept_random_state():
+        return next(iter(first_loader(compat.train_dataloader(trainer))))
 
 
-def _step(module: "pl.LightningModule", batch: Any) -> Callable[[], Any]:
-    return lambda: module.training_step(batch, 0)
+@contextmanager
+def kept_random_state() -> Iterator[None]:
+    """Put torch's CPU and CUDA random generators back as they were after the block."""
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
 
 
-def _first_loader(loaders: Any) -> Any:
+def first_loader(loaders: Any) -> Any:
+    """The first dataloader of what a ``train_dataloader`` hook returned (a loader, a list, a dict of them)."""
     while isinstance(loaders, (list, tuple)) and loaders:
         loaders = loaders[0]
     if isinstance(loaders, dict) and loaders:
@@ -112,17 +150,13 @@ def _first_loader(loaders: Any) -> Any:
 
 
 @contextmanager
-def _untouched(module: torch.nn.Module) -> Iterator[None]:
-    """Put back the random generators and the module's buffers (BatchNorm statistics) after the block."""
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+def untouched(module: torch.nn.Module) -> Iterator[None]:
+    """Put back the random generators, the module's buffers (BatchNorm statistics) and its gradients after the block."""
     buffers = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
     try:
-        yield
+        with kept_random_state():
+            yield
     finally:
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)

@@ -65,6 +65,12 @@ class MultiGPUStrategy(DDPStrategy):
     always the strategy that runs. ``trainer.strategy.choice`` holds the :class:`StrategyChoice` (mode and reason).
     The DDP options only apply when a DDP mode is chosen.
 
+    With ``mode="auto"`` and several processes, on CUDA or wherever ``memory_budget_mb`` is given, a memory plan runs
+    at ``setup`` (:mod:`lightning_mgpu.strategies.memory_planning`): the model is measured on its first micro-batch and
+    the least-sharded setup that fits is chosen, DDP first, then FSDP (``grad_op``, ``full``, with activation
+    checkpointing, with CPU offload). ``trainer.strategy.plan`` holds the table; a choice other than DDP turns the
+    strategy into an :class:`FSDPStrategy` in place.
+
     Args:
         mode: ``"auto"`` (the table above) or a forced ``"single"``, ``"dp"``, ``"ddp"``, ``"ddp_spawn"``,
             ``"ddp_fork"``, or ``"fsdp"``: FSDP2 sharding of the unmodified module, one process per device (the
@@ -108,8 +114,10 @@ class MultiGPUStrategy(DDPStrategy):
         TypeError: a ``mode`` or DDP option of the wrong type, or a keyword argument that neither
             ``DistributedDataParallel`` nor Lightning's ``DDPStrategy`` takes (the message names the closest valid
             name).
-        ValueError: an unknown ``mode`` or a bad DDP option (at construction); ``mode="dp"`` without CUDA or
-            ``mode="single"`` with several devices (when the Trainer is built).
+        ValueError: an unknown ``mode`` or a bad DDP, FSDP or memory option (at construction); ``mode="dp"`` without
+            CUDA, ``mode="single"`` with several devices, ``mode="fsdp"`` with ``precision="16-mixed"`` (when the
+            Trainer is built).
+        MemoryPlanError: at ``setup``, on every rank, when the memory plan finds that nothing fits.
 
     Example::
 

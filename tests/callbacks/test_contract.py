@@ -8,7 +8,7 @@ import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from lightning_mgpu import GPUMemoryMonitor, GradientClipping, NaNSkip, OOMBackoff
+from lightning_mgpu import BatchSizeSearch, GPUMemoryMonitor, GradientClipping, NaNSkip, OOMBackoff
 
 CALLBACKS = {
     "clip_norm": lambda: GradientClipping(mode="norm", max_norm=1.0),
@@ -18,7 +18,14 @@ CALLBACKS = {
     "nan_skip": lambda: NaNSkip(max_consecutive=3),
     "gpu_memory_monitor": lambda: GPUMemoryMonitor(sample_hz=20, prometheus_port=0),
     "oom_backoff": lambda: OOMBackoff(probe_up_after=2),
+    "batch_size_search": lambda: BatchSizeSearch(),
 }
+
+
+class BoringWithBatchSize(BoringModel):
+    """BoringModel's loader uses batches of 1; BatchSizeSearch reads that from an attribute."""
+
+    batch_size = 1
 
 
 @pytest.mark.parametrize("name", sorted(CALLBACKS))
@@ -30,7 +37,7 @@ def test_callback_contract(name, tmp_path):
     trainer_kwargs = {"accelerator": "cpu", "logger": False, "enable_progress_bar": False, "max_steps": 4}
     for _ in range(2):  # the same instance serves two fits
         trainer = Trainer(callbacks=[callback], default_root_dir=tmp_path, **trainer_kwargs)
-        trainer.fit(BoringModel())
+        trainer.fit(BoringWithBatchSize())
     state = callback.state_dict()
     fresh = CALLBACKS[name]()
     fresh.load_state_dict(state)

@@ -140,3 +140,15 @@ def run_script(script: str, *args: object, timeout: float = 90.0, cwd: str | Non
         "seconds": time.monotonic() - start,
         "output": output.decode(errors="replace"),
     }
+
+
+def run_recorded_script(script: str | os.PathLike, out: str | os.PathLike, *args: object, timeout: float = 150) -> dict:
+    """Run a fit script with ``--out out``, check it ended well, and return the ``out/result.pt`` it wrote.
+
+    The record gets the run's combined output under ``"output"``.
+    """
+    result = run_script(str(script), "--out", out, *args, timeout=timeout)
+    assert not result["hung"] and result["rc"] == 0, result["output"][-4000:]
+    record = torch.load(os.path.join(out, "result.pt"), weights_only=False)
+    record["output"] = result["output"]
+    return record

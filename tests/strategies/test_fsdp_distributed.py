@@ -10,18 +10,14 @@ import pytest
 import torch
 
 from lightning_mgpu.utilities.sharded_checkpoint import export_state_dict
-from tests.helpers.processes import run_script
+from tests.helpers.processes import run_recorded_script, run_script
 from tests.helpers.tiny_transformer import PlainTransformer, TinyTransformer
 
 SCRIPT = Path(__file__).parents[1] / "helpers" / "sharded_fit.py"
 
 
 def fit(out: Path, *args: object) -> dict:
-    result = run_script(SCRIPT, "--out", out, *args, timeout=150)
-    assert not result["hung"] and result["rc"] == 0, result["output"][-4000:]
-    record = torch.load(out / "result.pt", weights_only=False)
-    record["output"] = result["output"]
-    return record
+    return run_recorded_script(SCRIPT, out, *args)
 
 
 def max_difference(a: dict, b: dict) -> float:
