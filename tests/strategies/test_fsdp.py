@@ -3,11 +3,12 @@
 import pytest
 import torch
 from lightning.pytorch import Trainer
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from lightning_mgpu import FSDPStrategy, GradientClipping, MultiGPUStrategy, OOMBackoff
+from lightning_mgpu import FSDPStrategy, GPUMemoryMonitor, GradientClipping, MultiGPUStrategy, NaNSkip, OOMBackoff
 from tests.helpers.tiny_transformer import TinyTransformer
 from tests.helpers.trainer import QUIET
 
@@ -100,3 +101,21 @@ def test_gradient_clipping_refuses_what_needs_whole_gradients_under_fsdp():
     trainer = fsdp_trainer(callbacks=[GradientClipping(mode="agc", clip_factor=0.01)])
     with pytest.raises(MisconfigurationException, match=r"mode=.agc.*not supported under FSDPStrategy"):
         trainer.fit(TinyTransformer())
+
+
+def test_the_packs_callbacks_run_under_fsdp_and_the_memory_monitor_reports(tmp_path):
+    monitor = GPUMemoryMonitor(sample_hz=20)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=MultiGPUStrategy(mode="fsdp"),
+        max_steps=2,
+        log_every_n_steps=1,
+        logger=CSVLogger(tmp_path),
+        callbacks=[NaNSkip(), GradientClipping(mode="zscore", warmup_steps=1), monitor],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    trainer.fit(TinyTransformer())
+    assert trainer.global_step == 2
+    assert monitor.training_peak_source == "host RSS" and monitor.training_peak_mb > 0
