@@ -78,12 +78,7 @@ class BatchSizeSearch(Callback):
                 f"{name} needs automatic optimization: it keeps the batch by gradient accumulation, which manual "
                 "optimization does itself."
             )
-        if isinstance(trainer.strategy, ModelParallelStrategy):
-            raise MisconfigurationException(
-                f"{name} does not run under {type(trainer.strategy).__name__}: FSDP's collectives run inside the "
-                "forward, so a rank that runs out of memory in a trial would leave the others waiting. Use "
-                "MultiGPUStrategy(mode='auto', memory_budget_mb=...) to plan sharding and activation checkpointing."
-            )
+        self._refuse_sharding(trainer)
         if any(isinstance(callback, GradientAccumulationScheduler) for callback in trainer.callbacks):
             raise MisconfigurationException(
                 f"{name} sets accumulate_grad_batches itself; remove the GradientAccumulationScheduler."
@@ -99,6 +94,7 @@ class BatchSizeSearch(Callback):
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._refuse_sharding(trainer)  # again: a memory plan may have switched the strategy to FSDP since setup
         configured = int(lightning_getattr(pl_module, self.batch_arg_name))
         synced = [m for m in pl_module.modules() if isinstance(m, (SyncBatchNorm, DistributedBatchNorm))]
         if synced and trainer.world_size > 1:
@@ -132,6 +128,14 @@ class BatchSizeSearch(Callback):
                 f"{type(self).__name__}: the per-device batch {configured} does not fit on every rank ({tried}); "
                 f"micro-batch {result.size} x {result.accumulation} accumulated steps keeps it "
                 f"(accumulate_grad_batches={trainer.accumulate_grad_batches})."
+            )
+
+    def _refuse_sharding(self, trainer: "pl.Trainer") -> None:
+        if isinstance(trainer.strategy, ModelParallelStrategy):
+            raise MisconfigurationException(
+                f"{type(self).__name__} does not run under {type(trainer.strategy).__name__}: FSDP's collectives run "
+                "inside the forward, so a rank that runs out of memory in a trial would leave the others waiting. "
+                "Use MultiGPUStrategy(mode='auto', memory_budget_mb=...) to plan sharding and activation checkpointing."
             )
 
     def _fits(self, pl_module: "pl.LightningModule", piece: Any) -> bool:

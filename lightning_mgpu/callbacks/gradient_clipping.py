@@ -190,6 +190,9 @@ class GradientClipping(Callback):
                 f"{type(self).__name__}(mode={self.mode!r}) and Trainer(gradient_clip_val={trainer.gradient_clip_val})"
                 " both clip gradients; keep one of them."
             )
+        self._check_sharding(trainer)
+
+    def _check_sharding(self, trainer: "pl.Trainer") -> None:
         if isinstance(trainer.strategy, ModelParallelStrategy) and (self.mode == "agc" or self.norm_type != 2.0):
             raise MisconfigurationException(
                 f"{type(self).__name__}(mode={self.mode!r}, norm_type={self.norm_type}) is not supported under "
@@ -199,6 +202,7 @@ class GradientClipping(Callback):
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._check_sharding(trainer)  # again: a memory plan may have switched the strategy to FSDP since setup
         # after configure_model, which may build layers (the classifier to exclude, say) after setup
         names = [name for name, _ in pl_module.named_parameters()]
         matched = {pattern: [n for n in names if fnmatch.fnmatchcase(n, pattern)] for pattern in self.exclude}

@@ -205,13 +205,7 @@ class OOMBackoff(Callback):
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         compat.check_lightning_internals(trainer, type(self).__name__)
         self._trainer = trainer
-        if isinstance(trainer.strategy, ModelParallelStrategy):
-            raise MisconfigurationException(
-                f"{type(self).__name__} does not run under {type(trainer.strategy).__name__}: FSDP's collectives run"
-                " inside every unit's forward and backward, so a rank that fails mid-step cannot drop out of them."
-                " Make the step fit instead: MultiGPUStrategy(mode='fsdp', activation_checkpointing='auto'),"
-                " sharding='full', cpu_offload=True on GPUs, or a smaller batch with accumulate_grad_batches."
-            )
+        self._refuse_sharding(trainer)
         if stage == "fit" and not pl_module.automatic_optimization:
             raise MisconfigurationException(
                 f"{type(self).__name__} needs automatic optimization: with `automatic_optimization = False` the"
@@ -397,7 +391,17 @@ class OOMBackoff(Callback):
         )
 
     # ----------------------------------------------------------------------------------------- checks
+    def _refuse_sharding(self, trainer: "pl.Trainer") -> None:
+        if isinstance(trainer.strategy, ModelParallelStrategy):
+            raise MisconfigurationException(
+                f"{type(self).__name__} does not run under {type(trainer.strategy).__name__}: FSDP's collectives run"
+                " inside every unit's forward and backward, so a rank that fails mid-step cannot drop out of them."
+                " Make the step fit instead: MultiGPUStrategy(mode='fsdp', activation_checkpointing='auto'),"
+                " sharding='full', cpu_offload=True on GPUs, or a smaller batch with accumulate_grad_batches."
+            )
+
     def _check_strategy(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._refuse_sharding(trainer)  # again: a memory plan may have switched the strategy to FSDP since setup
         name = type(self).__name__
         runner_model = trainer.strategy.model
         if trainer.world_size > 1:

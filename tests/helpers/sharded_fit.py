@@ -19,7 +19,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_mgpu import GradientClipping, MultiGPUStrategy, NaNSkip
+from lightning_mgpu import GradientClipping, MultiGPUStrategy, NaNSkip, OOMBackoff
 from tests.helpers.tiny_transformer import TinyTransformer
 from tests.helpers.trainer import QUIET
 
@@ -85,6 +85,7 @@ def main() -> None:
     parser.add_argument("--nan-at", type=int, nargs=2, default=None, help="rank step")
     parser.add_argument("--nan-shard", type=int, nargs=2, default=None, help="rank step")
     parser.add_argument("--clip", type=float, default=None)
+    parser.add_argument("--oom-backoff", action="store_true")
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--budget", type=float, default=None, help="memory_budget_mb, with --strategy auto")
@@ -110,6 +111,8 @@ def main() -> None:
         callbacks.insert(0, NaNSkip(max_consecutive=3))
     if args.nan_shard is not None:
         callbacks.insert(0, NaNInShard(*args.nan_shard))
+    if args.oom_backoff:
+        callbacks.append(OOMBackoff())
     if args.clip is not None:
         callbacks.append(GradientClipping(max_norm=args.clip))
     trainer = Trainer(

@@ -123,3 +123,14 @@ def test_memory_budget_that_nothing_fits_stops_every_rank_with_the_smallest_need
     assert not result["hung"] and result["rc"] != 0
     assert result["output"].count("MemoryPlanError: no way to train this model fits: the smallest need is") == 2
     assert "fsdp_full_ac" in result["output"] and "a larger memory_budget_mb" in result["output"]
+
+
+def test_a_callback_that_cannot_run_sharded_stops_when_the_plan_switches_to_fsdp(runs, tmp_path):
+    plan = runs("auto_large", "--strategy", "auto", "--budget", 1000, "--steps", 20)["plan"]
+    budget = 0.99 * plan.row("ddp").total_mb / (1 - plan.margin)
+    # OOMBackoff's setup saw a DDP strategy; the plan switched to FSDP after it, and fit start refuses
+    result = run_script(
+        SCRIPT, "--out", tmp_path, "--strategy", "auto", "--budget", budget, "--oom-backoff", timeout=150
+    )
+    assert not result["hung"] and result["rc"] != 0
+    assert result["output"].count("OOMBackoff does not run under FSDPStrategy") == 2
