@@ -20,6 +20,7 @@ in :data:`LIGHTNING_INTERNALS`), not its callers.
 """
 
 import functools
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -621,3 +622,13 @@ def train_dataloader(trainer: "pl.Trainer") -> Any:
 def set_launcher(strategy: "pl.strategies.Strategy", launcher: Any) -> None:
     """Give a strategy the launcher another one built (Lightning's ``Strategy._launcher``, 2.5.2-2.6.6)."""
     strategy._launcher = launcher
+
+
+def sharded_checkpoint_metadata(path: "str | os.PathLike") -> dict[str, Any]:
+    """What a sharded checkpoint folder holds besides the shards: loops, callbacks, hyperparameters (2.5.2-2.6.6).
+
+    Lightning's ``ModelParallelStrategy`` writes it with ``torch.save`` under ``_METADATA_FILENAME`` (``meta.pt``).
+    """
+    from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+    return torch.load(os.path.join(path, _METADATA_FILENAME), map_location="cpu", weights_only=False)

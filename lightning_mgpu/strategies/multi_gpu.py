@@ -1,6 +1,9 @@
 """``MultiGPUStrategy``: picks single device, DataParallel or DDP from the hardware and the launch context."""
 
+import os
+from collections.abc import Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -187,6 +190,7 @@ class MultiGPUStrategy(DDPStrategy):
         self.mode = mode
         self.memory_budget_mb = memory_budget_mb
         self.plan: MemoryPlan | None = None
+        self.sharded_resume: Path | None = None  # a sharded checkpoint this fit resumes from, read by FSDPStrategy
         compat.check_launch_hook(self)
 
     @override
@@ -207,8 +211,29 @@ class MultiGPUStrategy(DDPStrategy):
         return True
 
     @override
+    def setup_environment(self) -> None:
+        self.sharded_resume = None  # each fit names its own checkpoint
+        super().setup_environment()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        # Lightning restores a DDP strategy's modules before setup, but a sharded checkpoint (a folder) can only be read
+        # by FSDPStrategy, which the memory plan may make this strategy at setup: take the loops' and callbacks' state
+        # now and leave the weights to FSDPStrategy, which restores after its setup
+        if self.mode == "auto" and isinstance(checkpoint_path, (str, os.PathLike)) and Path(checkpoint_path).is_dir():
+            self.sharded_resume = Path(checkpoint_path)
+            return compat.sharded_checkpoint_metadata(checkpoint_path)
+        return super().load_checkpoint(checkpoint_path, *args, **kwargs)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self.sharded_resume is None:
+            super().load_model_state_dict(checkpoint, strict=strict)
+
+    @override
     def setup(self, trainer: "pl.Trainer") -> None:
         if not self._plans(trainer):
+            self._check_sharded_resume("no memory plan runs (mode='auto' plans on CUDA, or with memory_budget_mb)")
             super().setup(trainer)
             return
         compat.check_lightning_internals(trainer, type(self).__name__)
@@ -217,9 +242,18 @@ class MultiGPUStrategy(DDPStrategy):
         option = require_fit(self.plan)
         rank_zero_info(f"{type(self).__name__} memory plan:\n{self.plan.table()}")
         if option == "ddp":
+            self._check_sharded_resume("the memory plan chose DDP")
             super().setup(trainer)
             return
         self._switch_to_fsdp(trainer, option)
+
+    def _check_sharded_resume(self, why: str) -> None:
+        if self.sharded_resume is not None:
+            raise ValueError(
+                f"{type(self).__name__}: the checkpoint {str(self.sharded_resume)!r} is sharded (a folder of FSDP "
+                f"shards), but {why}, so this run trains with DDP. Resume with MultiGPUStrategy(mode='fsdp'), or turn "
+                "it into one file first: python -m lightning_mgpu export CHECKPOINT OUT.pt."
+            )
 
     def _plans(self, trainer: "pl.Trainer") -> bool:
         # the plan needs the model and its data, known only now; on CPU it runs when given a budget, since host memory

@@ -134,3 +134,19 @@ def test_a_callback_that_cannot_run_sharded_stops_when_the_plan_switches_to_fsdp
     )
     assert not result["hung"] and result["rc"] != 0
     assert result["output"].count("OOMBackoff does not run under FSDPStrategy") == 2
+
+
+def test_a_run_the_plan_sharded_resumes_from_its_sharded_checkpoint(runs, tmp_path):
+    plan = runs("auto_large", "--strategy", "auto", "--budget", 1000, "--steps", 20)["plan"]
+    budget = 0.99 * plan.row("ddp").total_mb / (1 - plan.margin)
+    fit(tmp_path / "first", "--strategy", "auto", "--budget", budget, "--steps", 10, "--save-at", 10)
+    (checkpoint,) = (tmp_path / "first" / "ckpt").iterdir()
+    assert checkpoint.is_dir()
+    resumed = fit(tmp_path / "resumed", "--strategy", "auto", "--budget", budget, "--steps", 20, "--resume", checkpoint)
+    assert resumed["strategy"] == "FSDPStrategy" and resumed["global_step"] == 20
+    assert max_difference(resumed["params"], runs("fsdp20", "--steps", 20)["params"]) <= 1e-6
+    # a budget that keeps DDP cannot read the shards: every rank says so instead of training from scratch
+    refused = run_script(SCRIPT, "--out", tmp_path / "refused", "--strategy", "auto", "--budget", 1000, "--resume",
+                         checkpoint, timeout=150)  # fmt: skip
+    assert not refused["hung"] and refused["rc"] != 0
+    assert refused["output"].count("is sharded (a folder of FSDP shards), but the memory plan chose DDP") == 2
