@@ -268,6 +268,7 @@ class MultiGPUStrategy(DDPStrategy):
     def _switch_to_fsdp(self, trainer: "pl.Trainer", option: str) -> None:
         # the processes and their process group exist already: FSDPStrategy joins them and builds its device mesh
         plan, launcher, model, num_nodes = self.plan, self.launcher, self.lightning_module, self.num_nodes
+        recomputes = plan.row("fsdp_full_ac").activations_mb < plan.row("fsdp_full").activations_mb
         self._become_fsdp(
             StrategyChoice(
                 "fsdp",
@@ -275,7 +276,8 @@ class MultiGPUStrategy(DDPStrategy):
                 f"{plan.budget_mb * (1 - plan.margin):,.1f} MB are usable",
             ),
             sharding="grad_op" if option == "fsdp_grad_op" else "full",
-            activation_checkpointing="auto" if "_ac" in option else self.activation_checkpointing,
+            # "auto" only where the plan found blocks to recompute (without them the estimate counted no saving)
+            activation_checkpointing="auto" if "_ac" in option and recomputes else self.activation_checkpointing,
             cpu_offload=option.endswith("offload"),
             launch=False,
         )
