@@ -41,6 +41,8 @@ CONFIGS = {
     "mgpu_powersgd": "mgpu_ddp_powersgd",
     # "mgpu" with OOMBackoff and no OOM: the price of its agreements and of the reduce after the backward
     "mgpu_oom_backoff": "mgpu",
+    # "mgpu" without its hang watchdog (hang_timeout=None): "mgpu" against this is the watchdog's per-step price
+    "mgpu_no_hang_watch": "mgpu",
 }
 BASELINE = "stock_ddp"
 RESULT_PREFIX = "BENCHMARK_RESULT "
@@ -101,6 +103,8 @@ def worker(name: str, steps: int, warmup: int, batch_size: int) -> None:
         strategy = lightning_mgpu.MultiGPUStrategy(
             mode="ddp", comm_hook="powersgd", gradient_as_bucket_view=True, powersgd_warmup_steps=warmup
         )
+    if name == "mgpu_no_hang_watch":
+        strategy = lightning_mgpu.MultiGPUStrategy(hang_timeout=None)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,

@@ -11,6 +11,8 @@
 #   NNODES [2]  NPROC_PER_NODE [GPUs on this node, or 2 on a CPU machine]  MASTER_PORT [29500]
 #   CONFIG [multi_gpu; cpu on a CPU machine]: a name from `python -m lightning_mgpu config`, or a path
 #   MODEL_CONFIG [examples/configs/blobs.yaml]: your model and data
+#   MAX_RESTARTS [0]: attempts torchrun starts again after a failed one; with the robust_long_run config and
+#     --ckpt_path=last after the arguments, each resumes from the newest checkpoint by itself
 # Relative paths are taken from the directory you run it in.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -23,7 +25,10 @@ CONFIG=${CONFIG:-$default_config}
 MODEL_CONFIG=${MODEL_CONFIG:-$repo/examples/configs/blobs.yaml}
 if [ ! -f "$CONFIG" ]; then CONFIG=$(python -m lightning_mgpu config "$CONFIG"); fi
 
-exec python -m torch.distributed.run \
+# torch 2.13: a restarted attempt's gloo group would otherwise read the last attempt's keys from torchrun's store and
+# hang in init_process_group (pytorch/pytorch#135712)
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+exec python -m torch.distributed.run --max-restarts="${MAX_RESTARTS:-0}" \
     --nnodes="$NNODES" --node-rank="${NODE_RANK:?set NODE_RANK to the index of this node}" \
     --nproc-per-node="$NPROC_PER_NODE" \
     --master-addr="${MASTER_ADDR:?set MASTER_ADDR to the address of node 0}" --master-port="${MASTER_PORT:-29500}" \

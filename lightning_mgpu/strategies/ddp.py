@@ -26,8 +26,11 @@ from lightning_mgpu.strategies.ddp_bucket_tuning import (
     MIN_BUCKET_TUNING_STEPS,
     DDPBucketTuning,
 )
+from lightning_mgpu.strategies.exact_resume import ExactResume, ExactResumeHooks
+from lightning_mgpu.strategies.hang_watch import DEFAULT_HANG_TIMEOUT, FitHangWatch
 from lightning_mgpu.strategies.preemption import SigtermAgreement
 from lightning_mgpu.strategies.sync_batchnorm import DeviceAgnosticSyncBatchNorm
+from lightning_mgpu.utilities.atomic_save import save_atomically
 from lightning_mgpu.utilities.blocks import apply_activation_checkpointing, check_class_names
 from lightning_mgpu.utilities.bucket_tuning import BucketTuningResult
 from lightning_mgpu.utilities.comm_hooks import COMM_HOOK_NAMES, CommHookName, register_comm_hook
@@ -63,7 +66,7 @@ __all__ = [
 _UNUSED_PARAMETERS_ERROR = "Expected to have finished reduction in the prior iteration"
 
 
-class DDPStrategy(compat.DDPStrategyBase):
+class DDPStrategy(ExactResumeHooks, compat.DDPStrategyBase):
     """Lightning's DDPStrategy whose options are plain values, so a strategy name or a YAML config can set them.
 
     Additions over Lightning's DDP:
@@ -162,9 +165,11 @@ class DDPStrategy(compat.DDPStrategyBase):
         timeout: timedelta | None = default_pg_timeout,
         process_group_backend: str | None = None,
         activation_checkpointing: Literal["auto"] | list[str] | None = None,
+        hang_timeout: float | None = DEFAULT_HANG_TIMEOUT,
         **kwargs: Any,
     ) -> None:
         owner = type(self).__name__
+        check_positive(owner, "hang_timeout", hang_timeout, allow_none=True, unit="seconds", hint="None turns it off")
         _check_ddp_kwargs(self, kwargs)
         check_class_names(owner, "activation_checkpointing", activation_checkpointing, allow_none=True)
         check_choice(owner, "sync_batchnorm", sync_batchnorm, (True, False, "auto"))
@@ -222,6 +227,9 @@ class DDPStrategy(compat.DDPStrategyBase):
         self.powersgd_warmup_steps = powersgd_warmup_steps
         self.choice: StrategyChoice | None = None
         self._sigterm_agreement: SigtermAgreement | None = None
+        self._exact_resume = ExactResume(type(self).__name__)
+        self.hang_timeout = hang_timeout
+        self._hang_watch = FitHangWatch(hang_timeout)
 
     @property
     def ddp_kwargs(self) -> dict[str, Any]:
@@ -269,9 +277,11 @@ class DDPStrategy(compat.DDPStrategyBase):
             self._sigterm_agreement = SigtermAgreement.for_trainer(trainer)
             if self._sigterm_agreement is not None:
                 self._sigterm_agreement.install(trainer)
+        self._hang_watch.setup(trainer)
 
     @override
     def on_train_end(self) -> None:
+        self._hang_watch.stop()  # the meeting below has timeouts of its own
         if self._sigterm_agreement is not None:
             self._sigterm_agreement.at_train_end()
         super().on_train_end()
@@ -299,7 +309,9 @@ class DDPStrategy(compat.DDPStrategyBase):
         if self._sigterm_agreement is not None:
             self._sigterm_agreement.uninstall()
             self._sigterm_agreement = None
+        self._hang_watch.stop()
         self._tuning.teardown()
+        self._exact_resume.teardown()
         super().teardown()
 
     @override
@@ -308,19 +320,48 @@ class DDPStrategy(compat.DDPStrategyBase):
         if self._sigterm_agreement is not None:
             self._sigterm_agreement.at_train_batch_start()
         self._tuning.on_train_batch_start()
+        if (trainer := self._trainer) is not None:
+            self._hang_watch.on_train_batch_start(trainer)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._beat("forward")
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self._beat("backward")
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._beat("validation")
+        return super().validation_step(*args, **kwargs)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        with self._hang_watch.paused():  # e.g. the other ranks waiting while rank 0 writes a checkpoint
+            super().barrier(*args, **kwargs)
+
+    def _beat(self, phase: str) -> None:
+        self._hang_watch.beat(self._trainer, phase)
 
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: CheckpointPath, storage_options: Any | None = None
     ) -> None:
         self._tuning.save(checkpoint)
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        with self._hang_watch.paused():
+            self._add_resume_state(checkpoint)
+            if self.is_global_zero:
+                save_atomically(self.checkpoint_io, checkpoint, filepath, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: CheckpointPath, *args: Any, **kwargs: Any) -> dict[str, Any]:
         # forwards whatever this Lightning's signature takes: `weights_only` arrived in 2.6
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         self._tuning.load(checkpoint)
+        self._exact_resume.load(checkpoint, self.global_rank, self.world_size)
         return checkpoint
 
     @property

@@ -27,6 +27,7 @@ from lightning_mgpu.strategies.ddp import (
     TunableCommHook,
 )
 from lightning_mgpu.strategies.fsdp import FSDPStrategy, Sharding, check_precision
+from lightning_mgpu.strategies.hang_watch import DEFAULT_HANG_TIMEOUT
 from lightning_mgpu.strategies.memory_planning import make_plan
 from lightning_mgpu.strategies.single_device import SingleDeviceStrategy
 from lightning_mgpu.utilities.devices import accelerator_name
@@ -103,6 +104,8 @@ class MultiGPUStrategy(DDPStrategy):
             whose activations are recomputed in the backward.
         memory_budget_mb: with ``mode="auto"`` and several processes, plan against this many MB per device instead of
             the device's free memory; the plan (see below) then runs on CPU too.
+        hang_timeout: DDP modes: seconds a rank may make no progress before every rank writes a hang report and exits
+            with status 124 (see :class:`DDPStrategy`); ``None`` turns the watchdog off.
         timeout: process group timeout.
         process_group_backend: ``None`` picks gloo for CPU and NCCL for CUDA.
         accelerator: set by the Trainer.
@@ -150,6 +153,7 @@ class MultiGPUStrategy(DDPStrategy):
         cpu_offload: bool = False,
         activation_checkpointing: Literal["auto"] | list[str] | None = None,
         memory_budget_mb: float | None = None,
+        hang_timeout: float | None = DEFAULT_HANG_TIMEOUT,
         timeout: timedelta | None = default_pg_timeout,
         process_group_backend: str | None = None,
         accelerator: Accelerator | None = None,
@@ -185,6 +189,7 @@ class MultiGPUStrategy(DDPStrategy):
             timeout=timeout,
             process_group_backend=process_group_backend,
             activation_checkpointing=activation_checkpointing,
+            hang_timeout=hang_timeout,
             **kwargs,
         )
         self.mode = mode

@@ -13,6 +13,7 @@ waiting in a barrier for the process group's timeout.
 """
 
 import logging
+import signal
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -37,6 +38,8 @@ CHECK_INTERVAL = 4
 # (one finishing a last validation or slow end-of-epoch hooks) is waited for up to the process group's timeout
 END_OF_FIT_TIMEOUT = 30.0
 _POLL_SECONDS = 0.05
+# the exit status of a process stopped by the agreement: 128 + SIGTERM, as a shell reports a process killed by it
+SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
 
 
 class EndOfFitTimeoutError(RuntimeError):
@@ -219,7 +222,9 @@ class SigtermAgreement:
         if trainer is not None:
             compat.mark_sigterm_received(trainer)
             log.info(rank_prefixed_message(f"Stopping at batch {self.batch} after a SIGTERM", trainer.local_rank))
-        raise SIGTERMException()
+        # Lightning's SIGTERMException is a SystemExit: without a code the process would exit 0, and a launcher take
+        # the stopped run for a finished one
+        raise SIGTERMException(SIGTERM_EXIT_CODE)
 
     def _publish_late_signal(self) -> None:
         if self.signalled and not self.published:

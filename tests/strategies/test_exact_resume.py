@@ -1,0 +1,236 @@
+"""Exact mid-epoch resume and automatic restart: a killed 2-process fit resumed ends bit-identical to one never killed.
+
+The fit (tests/helpers/resume_fit.py) has dropout, draws from torch, numpy and Python's ``random`` (seeded per rank),
+shuffles its 40 samples with the DistributedSampler Lightning injects (10 batches a rank per epoch), and checkpoints
+every 15 optimizer steps: step 15 lies in the middle of the second epoch.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, TensorDataset
+
+import lightning_mgpu  # noqa: F401  (registers strategy="mgpu")
+from lightning_mgpu.strategies.preemption import SIGTERM_EXIT_CODE
+from tests.helpers.processes import LAUNCHER_VARIABLES, REPO, run_script
+
+SCRIPT = Path(REPO) / "tests" / "helpers" / "resume_fit.py"
+CHECKPOINT_STEP, KILL_STEP, MAX_STEPS = 15, 22, 30
+
+
+def fit(out: Path, *args: object, expect_ok: bool = True) -> dict:
+    result = run_script(SCRIPT, "--out", out, *args, timeout=120)
+    assert not result["hung"], result["output"][-3000:]
+    if expect_ok:
+        assert result["rc"] == 0, result["output"][-3000:]
+    return result
+
+
+def seen_by_step(out: Path, rank: int) -> dict[int, list[list[int]]]:
+    """Each optimizer step's sample indices on ``rank``, in the order the attempts trained them."""
+    steps: dict[int, list[list[int]]] = {}
+    for line in (out / f"seen_rank{rank}.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        steps.setdefault(row["step"], []).append(row["indices"])
+    return steps
+
+
+def as_trained(out: Path, rank: int) -> dict[int, list[int]]:
+    """The batches that made the final model: the first attempt's up to the checkpoint, the resumed ones after."""
+    return {
+        step: (tries[0] if step <= CHECKPOINT_STEP else tries[-1]) for step, tries in seen_by_step(out, rank).items()
+    }
+
+
+def result(out: Path) -> dict:
+    return torch.load(out / "result.pt", weights_only=False)
+
+
+def assert_bit_identical(a: dict, b: dict) -> None:
+    for rank_a, rank_b in zip(a["parameters"], b["parameters"], strict=True):
+        for name in rank_a:
+            assert torch.equal(rank_a[name], rank_b[name]), name
+    for index, state in a["optimizer"]["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[key], b["optimizer"]["state"][index][key]), (index, key)
+
+
+def max_difference(a: dict, b: dict) -> float:
+    return max((a["parameters"][0][n] - b["parameters"][0][n]).abs().max().item() for n in a["parameters"][0])
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("uninterrupted")
+    fit(out)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_killed_rank_resumes_bit_identical_and_stock_lightning_does_not(uninterrupted, tmp_path):
+    reference = result(uninterrupted)
+    assert reference["step"] == MAX_STEPS
+    assert_bit_identical(reference, {**reference, "parameters": reference["parameters"][::-1]})  # ranks agree
+
+    killed = tmp_path / "mgpu"
+    crashed = fit(killed, "--kill-rank", 1, "--kill-step", KILL_STEP, expect_ok=False)
+    assert crashed["rc"] != 0
+    assert sorted(os.listdir(killed / "ckpt")) == [f"epoch=1-step={CHECKPOINT_STEP}.ckpt", "last.ckpt"]
+    assert max(seen_by_step(killed, 1)) == KILL_STEP  # rank 1 trained up to the kill
+    fit(killed, "--resume")
+
+    resumed = result(killed)
+    assert resumed["step"] == MAX_STEPS
+    assert_bit_identical(reference, resumed)
+    for rank in (0, 1):
+        assert as_trained(killed, rank) == as_trained(uninterrupted, rank)
+        # the resumed attempt started at the step after the checkpoint; rank 0 had begun step 23 when rank 1 died
+        retrained = [s for s, tries in seen_by_step(killed, rank).items() if len(tries) > 1]
+        assert retrained == list(range(CHECKPOINT_STEP + 1, KILL_STEP + 1 + (rank == 0)))
+
+    # stock Lightning in the same case: the interrupted epoch starts over from its first batch
+    stock_reference, stock = tmp_path / "stock_reference", tmp_path / "stock"
+    fit(stock_reference, "--strategy", "ddp")
+    assert_bit_identical(reference, result(stock_reference))  # the same training when nothing is killed
+    fit(stock, "--strategy", "ddp", "--kill-rank", 1, "--kill-step", KILL_STEP, expect_ok=False)
+    fit(stock, "--strategy", "ddp", "--resume")
+    stock_seen, expected = as_trained(stock, 0), as_trained(stock_reference, 0)
+    # step 16 trains the epoch's first batch again (steps 11-15 trained batches 0-4 of the epoch)
+    assert stock_seen[CHECKPOINT_STEP + 1] == expected[CHECKPOINT_STEP - 4]
+    assert stock_seen != expected
+    assert max_difference(result(stock_reference), result(stock)) > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigterm_checkpoint_resumes_bit_identical_with_no_step_trained_twice(uninterrupted, tmp_path):
+    # rank 1 gets SIGTERM at step 22: every rank stops at the agreed batch, OnExceptionCheckpoint saves there
+    stopped = fit(tmp_path, "--kill-rank", 1, "--kill-step", KILL_STEP, "--sigterm", expect_ok=False)
+    assert stopped["rc"] == SIGTERM_EXIT_CODE  # not 0, as Lightning's own SIGTERMException would exit
+    assert (tmp_path / "ckpt" / "on_exception.ckpt").exists()
+    fit(tmp_path, "--resume", "--sigterm")  # ckpt_path="last" picks on_exception.ckpt, newer than last.ckpt
+    assert_bit_identical(result(uninterrupted), result(tmp_path))
+    for rank in (0, 1):
+        steps = seen_by_step(tmp_path, rank)
+        assert all(len(tries) == 1 for tries in steps.values())  # nothing trained twice, nothing left out
+        assert {step: tries[0] for step, tries in steps.items()} == as_trained(uninterrupted, rank)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_torchrun_restarts_a_killed_rank_and_the_run_completes_bit_identical(uninterrupted, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    # the README's recipe: torch 2.13's agent store otherwise hands a restarted gloo group the last attempt's keys
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+        str(SCRIPT), "--out", str(tmp_path), "--resume", "--kill-once", "--kill-rank", "1",
+        "--kill-step", str(KILL_STEP),
+    ]  # fmt: skip
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    output = completed.stdout + completed.stderr
+    assert completed.returncode == 0, output[-4000:]
+    assert "exitcode: -9" in output  # the first attempt lost rank 1 to SIGKILL, and torchrun restarted both
+    assert_bit_identical(result(uninterrupted), result(tmp_path))
+    for rank in (0, 1):
+        assert as_trained(tmp_path, rank) == as_trained(uninterrupted, rank)
+
+
+class DropoutRegression(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 1))
+        self.seen: list[list[int]] = []
+
+    def training_step(self, batch, batch_idx):
+        index, x, y = batch
+        self.seen.append(index.tolist())
+        return torch.nn.functional.mse_loss(self.net(x + torch.randn_like(x)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def one_device_trainer(root: Path, max_steps: int, every: int) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy="mgpu",
+        max_steps=max_steps,
+        callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=every, save_top_k=-1)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+def one_process_fit(root: Path, max_steps: int, ckpt_path: str | None = None, **loader_options) -> DropoutRegression:
+    torch.manual_seed(0)
+    model = DropoutRegression()
+    data = TensorDataset(torch.arange(30), torch.randn(30, 4), torch.randn(30, 1))
+    loader = DataLoader(data, batch_size=4, shuffle=True, **loader_options)
+    trainer = one_device_trainer(root, max_steps, every=7)
+    trainer.fit(model, loader, ckpt_path=ckpt_path)
+    assert type(loader.batch_sampler) is BatchSampler  # the pack resumed a copy: the user's loader is untouched
+    return model
+
+
+@pytest.mark.timeout(120)
+def test_one_process_resumes_a_random_sampler_mid_epoch_bit_identical(tmp_path):
+    reference = one_process_fit(tmp_path / "reference", max_steps=20)
+    interrupted = one_process_fit(tmp_path / "interrupted", max_steps=11)  # checkpoints at step 7: epoch 0, batch 7
+    torch.manual_seed(123)  # a new process's other streams
+    resumed = one_process_fit(tmp_path / "resumed", 20, str(tmp_path / "interrupted" / "epoch=0-step=7.ckpt"))
+    assert interrupted.seen[:7] + resumed.seen == reference.seen
+    for name, parameter in reference.named_parameters():
+        assert torch.equal(parameter, dict(resumed.named_parameters())[name]), name
+    # the interrupted epoch's last batch (7 full batches and one of 2 samples) is not trained twice
+    assert [len(batch) for batch in resumed.seen[:1]] == [2]
+
+
+@pytest.mark.timeout(120)
+def test_an_iterable_dataset_resumed_mid_epoch_says_once_why_it_starts_over(tmp_path):
+    class Stream(IterableDataset):
+        def __iter__(self):
+            generator = torch.Generator().manual_seed(0)
+            for i in range(30):
+                yield torch.tensor(i), torch.randn(4, generator=generator), torch.randn(1, generator=generator)
+
+    def fit(max_steps, ckpt_path=None):
+        trainer = one_device_trainer(tmp_path, max_steps, every=3)
+        trainer.fit(DropoutRegression(), DataLoader(Stream(), batch_size=4), ckpt_path=ckpt_path)
+
+    fit(4)
+    with pytest.warns(UserWarning) as record:
+        fit(8, str(tmp_path / "epoch=0-step=3.ckpt"))
+    ours = [str(w.message) for w in record if "cannot be resumed there" in str(w.message)]
+    assert len(ours) == 1
+    assert "taken 3 batches into epoch 0" in ours[0] and "IterableDataset (Stream)" in ours[0]
+    assert "The epoch starts over from its first batch" in ours[0]
+
+
+@pytest.mark.timeout(120)
+def test_several_training_loaders_resumed_mid_epoch_say_why_they_start_over(tmp_path):
+    class TwoLoaders(DropoutRegression):
+        def training_step(self, batch, batch_idx):
+            return super().training_step(batch["a"], batch_idx) + super().training_step(batch["b"], batch_idx)
+
+    def fit(max_steps, ckpt_path=None):
+        torch.manual_seed(0)
+        data = TensorDataset(torch.arange(30), torch.randn(30, 4), torch.randn(30, 1))
+        loaders = {"a": DataLoader(data, batch_size=4, shuffle=True), "b": DataLoader(data, batch_size=6)}
+        trainer = one_device_trainer(tmp_path, max_steps, every=3)
+        trainer.fit(TwoLoaders(), loaders, ckpt_path=ckpt_path)
+
+    fit(4)
+    with pytest.warns(UserWarning, match="the fit has several training loaders") as record:
+        fit(8, str(tmp_path / "epoch=0-step=3.ckpt"))
+    assert len([w for w in record if "several training loaders" in str(w.message)]) == 1

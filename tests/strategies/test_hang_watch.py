@@ -1,0 +1,58 @@
+"""The hang watchdog under a real 2-process fit: a rank that sleeps forever is named, with its stack, in seconds."""
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from lightning_mgpu import DDPStrategy, MultiGPUStrategy
+from lightning_mgpu.utilities.hang_watchdog import HANG_EXIT_CODE
+from tests.helpers.processes import REPO, run_script
+
+SCRIPT = Path(REPO) / "tests" / "helpers" / "hang_fit.py"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_rank_sleeping_in_its_training_step_is_named_and_every_process_exits(tmp_path):
+    result = run_script(SCRIPT, "--out", tmp_path, "--hang-rank", 1, "--hang-step", 7, "--hang-timeout", 15, timeout=90)
+    ended = time.time()
+    # the pipe closes only when both processes have ended: rank 1 (launched by rank 0) holds it too
+    assert not result["hung"], result["output"][-3000:]
+    assert result["rc"] == HANG_EXIT_CODE, result["output"][-3000:]
+    hung_at = float((tmp_path / "hanging_rank1").read_text())
+    assert ended - hung_at < 45
+    for rank in (0, 1):
+        report = (tmp_path / f"hang_report_rank{rank}.txt").read_text()
+        headline = report.splitlines()[0]
+        stuck = r"hang detected: rank\(s\) 1 made no progress for \d+ s; stuck: rank 1 \(step 7, phase forward\)"
+        assert re.search(stuck, headline)
+        rank1_stack = report.split("--- rank 1 ---")[1]
+        assert "sleeping_forever_in_training_step" in rank1_stack
+        assert "--- rank 0 ---" in report and "step 7, phase backward" not in headline  # rank 0 waits, not named
+        assert (
+            f"rank {rank}: hang detected; stuck rank(s): 1; report: {tmp_path / f'hang_report_rank{rank}.txt'}"
+            in (result["output"])
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_stock_lightning_in_the_same_case_names_no_rank_and_leaves_the_sleeping_rank_running(tmp_path):
+    # recorded with a 10 s process-group timeout instead of the default 30 minutes
+    result = run_script(SCRIPT, "--out", tmp_path, "--strategy", "ddp", "--pg-timeout", 10, timeout=35)
+    assert result["hung"]  # rank 1 never exits: the test's timeout killed it
+    assert "Timed out waiting 10000ms" in result["output"]  # rank 0's gloo error, which names no rank
+    assert not list(tmp_path.glob("hang_report_rank*.txt"))
+
+
+@pytest.mark.parametrize("value", [0, -5.0])
+def test_hang_timeout_must_be_positive_or_none(value):
+    with pytest.raises(ValueError, match=rf"hang_timeout must be a positive number of seconds or None, got {value}"):
+        MultiGPUStrategy(hang_timeout=value)
+
+
+def test_hang_timeout_defaults_on_and_none_turns_it_off():
+    assert MultiGPUStrategy().hang_timeout == DDPStrategy().hang_timeout == 600
+    assert MultiGPUStrategy(hang_timeout=None).hang_timeout is None
