@@ -43,6 +43,7 @@ class Probe(pl.Callback):
         self.calls: dict[str, int] = {}
         self.completed = 0
         self.signal_time: float | None = None
+        self.watchdog_running = False
 
     def setup(self, trainer, pl_module, stage):
         count_collectives(self.calls, lambda: self.counting)
@@ -59,6 +60,10 @@ class Probe(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.completed += 1
+        if self.counting:  # the hang watchdog's thread runs during the counted window (the pack's strategies only)
+            watch = getattr(trainer.strategy, "_hang_watch", None)
+            thread = watch.watchdog._thread if watch is not None and watch.watchdog is not None else None
+            self.watchdog_running = thread is not None and thread.is_alive()
 
     def on_exception(self, trainer, pl_module, exception):
         self._write(trainer, type(exception).__name__, str(exception))
@@ -76,6 +81,7 @@ class Probe(pl.Callback):
             "collective_calls": self.calls,
             "collectives_per_step": sum(self.calls.values()) / steps,
             "signal_time": self.signal_time,
+            "watchdog_running": self.watchdog_running,
             "end_time": time.time(),
         }
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))

@@ -142,6 +142,7 @@ def test_no_python_collective_per_training_step(tmp_path):
     for rank in (0, 1):
         assert ours["records"][rank]["collective_calls"] == {}
         assert ours["records"][rank]["collectives_per_step"] == 0.0
+        assert ours["records"][rank]["watchdog_running"]  # the hang watchdog (default hang_timeout) adds none either
         # what we replace: stock Lightning broadcasts once per training batch
         assert stock["records"][rank]["collective_calls"] == {"broadcast": 20}
 
