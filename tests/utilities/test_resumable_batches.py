@@ -147,3 +147,24 @@ def test_random_states_round_trip_every_stream():
     restore_random_states(saved)
     got = (torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(got[0], expected[0]) and (got[1] == expected[1]).all() and got[2] == expected[2]
+
+
+class UnevenBatches:
+    """A batch sampler of one's own: batches of 1, 2, 3... indices from a permutation drawn on the global stream."""
+
+    def __len__(self) -> int:
+        return 5
+
+    def __iter__(self):
+        order = torch.randperm(15).tolist()
+        start = 0
+        for size in range(1, 6):
+            yield order[start : start + size]
+            start += size
+
+
+def test_a_batch_sampler_of_ones_own_resumes_whole_batches_in_order():
+    make = lambda: DataLoader(Recording(), batch_sampler=UnevenBatches())  # noqa: E731
+    head, tail, _, _, _ = interrupted_then_resumed(make, trained=2)
+    assert head + tail == uninterrupted(make)
+    assert [len(batch) for batch in tail] == [3, 4, 5]  # batches passed over whole, whatever their size
