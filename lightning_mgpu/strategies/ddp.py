@@ -94,6 +94,11 @@ class DDPStrategy(ExactResumeHooks, compat.DDPStrategyBase):
       chosen bucket size, and keeps one only if it is faster by the same margin. PowerSGD is not a candidate: its
       warm-up steps are exact all-reduces, so a short trial cannot time it.
 
+    - Long runs: a mid-epoch checkpoint resumes exactly (the training loader's remaining batches in their order, each
+      rank's random streams as at the save; :mod:`lightning_mgpu.strategies.exact_resume`), checkpoints are written
+      atomically, and a hang watchdog (``hang_timeout``; :mod:`lightning_mgpu.strategies.hang_watch`) names a rank
+      that stopped making progress, with every rank's stack, and ends every rank with status 124.
+
     Args:
         accelerator: set by the Trainer.
         parallel_devices: set by the Trainer.
@@ -123,6 +128,9 @@ class DDPStrategy(ExactResumeHooks, compat.DDPStrategyBase):
             or ``"forkserver"``.
         timeout: process group timeout.
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; ``None`` picks by device.
+        hang_timeout: seconds a rank's training may make no progress before every rank writes
+            ``<log_dir>/hang_report_rank<r>.txt`` (the stuck ranks, every rank's stack) and exits with status 124;
+            ``None`` turns the watchdog off. It runs in fits of several processes, from the second training batch.
         **kwargs: any further keyword argument of ``torch.nn.parallel.DistributedDataParallel``, or of Lightning's
             ``DDPStrategy`` (``ddp_comm_state``, ``ddp_comm_hook``, ``ddp_comm_wrapper``, ``model_averaging_period``).
             From a LightningCLI YAML config they go under ``dict_kwargs:`` next to ``init_args:``.
