@@ -11,10 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning
 import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from packaging.version import Version
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, TensorDataset
 
 import lightning_mgpu  # noqa: F401  (registers strategy="mgpu")
@@ -22,6 +24,13 @@ from lightning_mgpu.strategies.preemption import SIGTERM_EXIT_CODE
 from tests.helpers.processes import LAUNCHER_VARIABLES, REPO, run_script
 
 SCRIPT = Path(REPO) / "tests" / "helpers" / "resume_fit.py"
+# Lightning 2.5's ModelCheckpoint(save_last=True) also writes last.ckpt at the epoch's end (step 20 here), and 2.5's
+# own resume from an epoch-end checkpoint changes the next epoch's order from its second batch on: stock Lightning
+# 2.5.6 and the pack were measured identical there. The mid-epoch cases below are claimed on 2.6.
+needs_lightning_2_6 = pytest.mark.skipif(
+    Version(lightning.__version__) < Version("2.6"),
+    reason="Lightning 2.5 resumes last.ckpt from the epoch's end, where its own order differs (stock measured alike)",
+)
 CHECKPOINT_STEP, KILL_STEP, MAX_STEPS = 15, 22, 30
 
 
@@ -73,6 +82,7 @@ def uninterrupted(tmp_path_factory) -> Path:
     return out
 
 
+@needs_lightning_2_6
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_killed_rank_resumes_bit_identical_and_stock_lightning_does_not(uninterrupted, tmp_path):
@@ -124,6 +134,7 @@ def test_sigterm_checkpoint_resumes_bit_identical_with_no_step_trained_twice(uni
         assert {step: tries[0] for step, tries in steps.items()} == as_trained(uninterrupted, rank)
 
 
+@needs_lightning_2_6
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_torchrun_restarts_a_killed_rank_and_the_run_completes_bit_identical(uninterrupted, tmp_path):
