@@ -291,15 +291,22 @@ def sigterm_internals_missing(trainer: "pl.Trainer") -> str | None:
         return "this Lightning's training loop keeps its batch progress differently"
     if not callable(getattr(type(trainer.fit_loop), "on_run_end", None)):
         return "this Lightning's fit loop has no on_run_end"
-    if not hasattr(getattr(trainer, "_signal_connector", None), "_sigterm_notifier_fn"):
+    connector = getattr(trainer, "_signal_connector", None)
+    if not (hasattr(connector, "_sigterm_notifier_fn") and hasattr(connector, "_slurm_sigusr_handler_fn")):
         return "this Lightning's signal connector differs"
+    if not callable(getattr(getattr(trainer, "_checkpoint_connector", None), "hpc_save_path", None)):
+        return "this Lightning's checkpoint connector names its SLURM checkpoints differently"
     if not hasattr(dist.distributed_c10d, "_get_default_store"):
         return "this torch has no default store"
     return None
 
 
 # instance attributes that shadow a method of a Lightning object: (object path, attribute)
-_SHADOWED = ("fit_loop.epoch_loop", "_broadcast_sigterm_tensor"), ("_signal_connector", "_sigterm_notifier_fn")
+_SHADOWED = (
+    ("fit_loop.epoch_loop", "_broadcast_sigterm_tensor"),
+    ("_signal_connector", "_sigterm_notifier_fn"),
+    ("_signal_connector", "_slurm_sigusr_handler_fn"),
+)
 
 
 def _resolve(trainer: "pl.Trainer", path: str) -> Any:
@@ -310,14 +317,20 @@ def _resolve(trainer: "pl.Trainer", path: str) -> Any:
 
 
 def replace_sigterm_handling(
-    trainer: "pl.Trainer", at_batch_boundary: Callable[[], None], on_sigterm: Callable[..., None]
+    trainer: "pl.Trainer",
+    at_batch_boundary: Callable[[], None],
+    on_sigterm: Callable[..., None],
+    on_requeue_signal: Callable[..., None],
 ) -> None:
-    """On this trainer only: replace the per-batch SIGTERM broadcast and the SIGTERM notifier (2.5.2-2.6.6).
+    """On this trainer only: replace the per-batch SIGTERM broadcast and the SIGTERM and SLURM requeue handlers.
 
-    The signal connector builds its handler from the notifier when the fit registers handlers, after
-    ``strategy.setup``: call this from ``setup``. :func:`restore_sigterm_handling` undoes it.
+    Lightning's requeue handler (registered for ``SLURMEnvironment(auto_requeue=True)``, on SIGUSR1 by default) saves
+    a checkpoint and requeues the job from inside the signal handler (2.5.2-2.6.6). The signal connector builds its
+    handlers from these methods when the fit registers them, after ``strategy.setup``: call this from ``setup``.
+    :func:`restore_sigterm_handling` undoes it.
     """
-    for (path, name), replacement in zip(_SHADOWED, (at_batch_boundary, on_sigterm), strict=True):
+    replacements = (at_batch_boundary, on_sigterm, on_requeue_signal)
+    for (path, name), replacement in zip(_SHADOWED, replacements, strict=True):
         _resolve(trainer, path).__dict__[name] = replacement
 
 
@@ -325,6 +338,14 @@ def restore_sigterm_handling(trainer: "pl.Trainer") -> None:
     """Give this trainer Lightning's SIGTERM broadcast and notifier back."""
     for path, name in _SHADOWED:
         _resolve(trainer, path).__dict__.pop(name, None)
+
+
+def slurm_checkpoint_path(trainer: "pl.Trainer") -> str:
+    """The next ``hpc_ckpt_<n>.ckpt`` in ``default_root_dir``, which Lightning resumes a requeued SLURM job from.
+
+    Lightning's ``fit(ckpt_path=None)`` under SLURM loads the highest-numbered one (2.5.2-2.6.6).
+    """
+    return trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
 
 
 def mark_sigterm_received(trainer: "pl.Trainer") -> None:

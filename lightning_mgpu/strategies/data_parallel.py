@@ -24,13 +24,14 @@ from torch.nn.parallel import DataParallel
 from typing_extensions import override
 
 from lightning_mgpu import compat
+from lightning_mgpu.strategies.exact_resume import ExactResume, OneProcessCheckpoints
 from lightning_mgpu.utilities.step_pieces import LogCall, capture_logs, merge_outputs, replay_logs
 from lightning_mgpu.utilities.strategy_choice import StrategyChoice
 
 log = logging.getLogger(__name__)
 
 
-class DataParallelStrategy(ParallelStrategy):
+class DataParallelStrategy(OneProcessCheckpoints, ParallelStrategy):
     """Train on all GPUs of one process with :class:`torch.nn.DataParallel`, which Lightning 2.x removed.
 
     Each step scatters the batch across the GPUs, runs the step on one replica of the module per GPU and merges
@@ -82,6 +83,7 @@ class DataParallelStrategy(ParallelStrategy):
         self.choice: StrategyChoice | None = None
         self._recorder = _ReplicaRecorder()
         self._data_parallel_class: type[DataParallel] = _ReplicaDataParallel
+        self._exact_resume = ExactResume(type(self).__name__)
 
     @property
     @override
@@ -225,8 +227,14 @@ class DataParallelStrategy(ParallelStrategy):
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         return decision
 
+    @property
+    @override
+    def _replica_devices(self) -> list[torch.device]:
+        return list(self.parallel_devices or [])[1:]  # each replica's dropout draws on its own GPU's stream
+
     @override
     def teardown(self) -> None:
+        self._exact_resume.teardown()
         if isinstance(self.model, _ReplicaDataParallel):
             self.model = self.lightning_module
         # one process: ParallelStrategy.teardown would insist on a cluster environment this strategy never has

@@ -15,7 +15,6 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -27,8 +26,8 @@ from lightning_mgpu.strategies.ddp_bucket_tuning import (
     DDPBucketTuning,
 )
 from lightning_mgpu.strategies.exact_resume import ExactResume, ExactResumeHooks
-from lightning_mgpu.strategies.hang_watch import DEFAULT_HANG_TIMEOUT, FitHangWatch
-from lightning_mgpu.strategies.preemption import SigtermAgreement
+from lightning_mgpu.strategies.hang_watch import DEFAULT_HANG_TIMEOUT, FitHangWatch, HangWatchHooks
+from lightning_mgpu.strategies.preemption import SigtermAgreement, SigtermAgreementHooks
 from lightning_mgpu.strategies.sync_batchnorm import DeviceAgnosticSyncBatchNorm
 from lightning_mgpu.utilities.atomic_save import save_atomically
 from lightning_mgpu.utilities.blocks import apply_activation_checkpointing, check_class_names
@@ -66,7 +65,7 @@ __all__ = [
 _UNUSED_PARAMETERS_ERROR = "Expected to have finished reduction in the prior iteration"
 
 
-class DDPStrategy(ExactResumeHooks, compat.DDPStrategyBase):
+class DDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, compat.DDPStrategyBase):
     """Lightning's DDPStrategy whose options are plain values, so a strategy name or a YAML config can set them.
 
     Additions over Lightning's DDP:
@@ -281,18 +280,8 @@ class DDPStrategy(ExactResumeHooks, compat.DDPStrategyBase):
                 type(self).__name__, self.lightning_module, self.activation_checkpointing
             )
         super().setup(trainer)
-        if trainer.state.fn == TrainerFn.FITTING:
-            self._sigterm_agreement = SigtermAgreement.for_trainer(trainer)
-            if self._sigterm_agreement is not None:
-                self._sigterm_agreement.install(trainer)
+        self._install_agreement(trainer, paused=self._hang_watch.paused)
         self._hang_watch.setup(trainer)
-
-    @override
-    def on_train_end(self) -> None:
-        self._hang_watch.stop()  # the meeting below has timeouts of its own
-        if self._sigterm_agreement is not None:
-            self._sigterm_agreement.at_train_end()
-        super().on_train_end()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -314,9 +303,6 @@ class DDPStrategy(ExactResumeHooks, compat.DDPStrategyBase):
 
     @override
     def teardown(self) -> None:
-        if self._sigterm_agreement is not None:
-            self._sigterm_agreement.uninstall()
-            self._sigterm_agreement = None
         self._hang_watch.stop()
         self._tuning.teardown()
         self._exact_resume.teardown()
@@ -325,34 +311,7 @@ class DDPStrategy(ExactResumeHooks, compat.DDPStrategyBase):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        if self._sigterm_agreement is not None:
-            self._sigterm_agreement.at_train_batch_start()
         self._tuning.on_train_batch_start()
-        if (trainer := self._trainer) is not None:
-            self._hang_watch.on_train_batch_start(trainer)
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._beat("forward")
-        return super().training_step(*args, **kwargs)
-
-    @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        self._beat("backward")
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._beat("validation")
-        return super().validation_step(*args, **kwargs)
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        with self._hang_watch.paused():  # e.g. the other ranks waiting while rank 0 writes a checkpoint
-            super().barrier(*args, **kwargs)
-
-    def _beat(self, phase: str) -> None:
-        self._hang_watch.beat(self._trainer, phase)
 
     @override
     def save_checkpoint(

@@ -15,6 +15,8 @@ restored. :class:`ExactResume` is the strategies' part of the fix:
 
 import copy
 import logging
+import os
+from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -25,6 +27,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_mgpu.utilities.atomic_save import save_atomically
 from lightning_mgpu.utilities.random_states import capture_random_states, restore_random_states
 from lightning_mgpu.utilities.resumable_batches import (
     ResumableBatches,
@@ -101,12 +104,21 @@ class ExactResume:
         batches = trained if 0 < trained < total else 0  # at the epoch's end the next one starts afresh
         return ResumePoint(batches=batches, epoch=loaded["epoch"], epoch_start=loaded["epoch_start"])
 
-    def save(self, trainer: "pl.Trainer | None", device: torch.device, checkpoint: dict[str, Any]) -> None:
-        """Add every rank's streams and the epoch's position to ``checkpoint``; every rank calls it (a collective)."""
+    def save(
+        self,
+        trainer: "pl.Trainer | None",
+        device: torch.device,
+        checkpoint: dict[str, Any],
+        replicas: Sequence[torch.device] = (),
+    ) -> None:
+        """Add every rank's streams and the epoch's position to ``checkpoint``; every rank calls it (a collective).
+
+        ``replicas``: further CUDA devices the rank draws random numbers on (DataParallel's other GPUs).
+        """
         if trainer is None:
             return
         mine = {
-            "random": capture_random_states(device),
+            "random": capture_random_states(device, replicas),
             "epoch_start": self.batches.epoch_start if self.batches is not None else None,
         }
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -138,11 +150,11 @@ class ExactResume:
             return
         self._loaded = {**saved, **saved["ranks"][rank]}
 
-    def on_train_start(self, device: torch.device) -> None:
+    def on_train_start(self, device: torch.device, replicas: Sequence[torch.device] = ()) -> None:
         """Put this rank's streams back as they were at the save."""
         loaded, self._loaded = self._loaded, None
         if loaded is not None:
-            restore_random_states(loaded["random"], device)
+            restore_random_states(loaded["random"], device, replicas)
 
     def teardown(self) -> None:
         """Forget a checkpoint that no fit resumed from (a ``validate(ckpt_path=...)``)."""
@@ -170,10 +182,32 @@ class ExactResumeHooks(Strategy):
     def process_dataloader(self, dataloader: Any) -> Any:
         return self._exact_resume.process_dataloader(self._trainer, super().process_dataloader(dataloader))
 
+    @property
+    def _replica_devices(self) -> list[torch.device]:
+        """Devices besides ``root_device`` whose random streams this process draws on: none but in DataParallel."""
+        return []
+
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        self._exact_resume.on_train_start(self.root_device)
+        self._exact_resume.on_train_start(self.root_device, self._replica_devices)
 
     def _add_resume_state(self, checkpoint: dict[str, Any]) -> None:
-        self._exact_resume.save(self._trainer, self.root_device, checkpoint)
+        self._exact_resume.save(self._trainer, self.root_device, checkpoint, self._replica_devices)
+
+
+class OneProcessCheckpoints(ExactResumeHooks):
+    """Exact resume and atomic saves for a strategy of one process (one device, or DataParallel's GPUs)."""
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: "str | os.PathLike[str]", storage_options: Any | None = None
+    ) -> None:
+        self._add_resume_state(checkpoint)
+        save_atomically(self.checkpoint_io, checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        self._exact_resume.load(checkpoint, 0, 1)
+        return checkpoint

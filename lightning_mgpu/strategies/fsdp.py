@@ -1,9 +1,11 @@
 """``FSDPStrategy``: FSDP2 sharding of an unmodified LightningModule, with its sharding units found for it."""
 
+import uuid
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -26,10 +28,14 @@ from torch.distributed.fsdp import (
 from typing_extensions import override
 
 from lightning_mgpu import compat
+from lightning_mgpu.strategies.exact_resume import ExactResume, ExactResumeHooks
+from lightning_mgpu.strategies.hang_watch import DEFAULT_HANG_TIMEOUT, FitHangWatch, HangWatchHooks
+from lightning_mgpu.strategies.preemption import SigtermAgreementHooks
 from lightning_mgpu.strategies.sync_batchnorm import DeviceAgnosticSyncBatchNorm
+from lightning_mgpu.utilities.atomic_save import replace_folder, save_atomically, staging_folder
 from lightning_mgpu.utilities.blocks import apply_activation_checkpointing, check_class_names, find_repeated_blocks
 from lightning_mgpu.utilities.distributed_batchnorm import has_batchnorm
-from lightning_mgpu.utilities.validation import check_bool, check_choice
+from lightning_mgpu.utilities.validation import check_bool, check_choice, check_positive
 
 Sharding = Literal["full", "grad_op"]
 SHARDINGS: tuple[str, ...] = ("full", "grad_op")
@@ -40,7 +46,7 @@ _SUPPORTED_PRECISIONS = ("32-true", "64-true", "bf16-mixed", "bf16-true", "16-tr
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
-class FSDPStrategy(ModelParallelStrategy):
+class FSDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, ModelParallelStrategy):
     """Shard an unmodified LightningModule's parameters, gradients and optimizer state across processes with FSDP2.
 
     No ``configure_model`` is needed: at ``setup`` the strategy finds the model's repeated blocks (the layers of a
@@ -56,7 +62,10 @@ class FSDPStrategy(ModelParallelStrategy):
     scaler that agrees across shards): use ``"bf16-mixed"``.
 
     Checkpoints are torch distributed checkpoints (a folder, each rank writing its own shards, nothing gathered);
-    ``python -m lightning_mgpu export CHECKPOINT OUT.pt`` turns one into a single-file state dict.
+    ``python -m lightning_mgpu export CHECKPOINT OUT.pt`` turns one into a single-file state dict. A mid-epoch
+    checkpoint resumes exactly (:mod:`lightning_mgpu.strategies.exact_resume`: its state goes into the folder's
+    metadata file), and the hang watchdog of the DDP strategies runs here too (``hang_timeout``), as does their
+    SIGTERM agreement (every rank stops at one batch, and SLURM's requeue checkpoint is saved there).
 
     Args:
         sharding: ``"full"`` shards parameters too, gathering each block for its forward and again for its backward
@@ -69,6 +78,8 @@ class FSDPStrategy(ModelParallelStrategy):
         sync_batchnorm: ``True`` converts BatchNorm layers into :class:`DistributedBatchNorm` (statistics over all
             processes); ``"auto"`` does so when the model has BatchNorm layers.
         save_distributed_checkpoint: ``False`` gathers full weights and optimizer state on rank 0 into one file.
+        hang_timeout: seconds a rank's training may make no progress before every rank writes a hang report and
+            exits with status 124 (:mod:`lightning_mgpu.strategies.hang_watch`); ``None`` turns the watchdog off.
         timeout: process group timeout.
         process_group_backend: ``None`` picks gloo for CPU and NCCL for CUDA.
         accelerator: set by the Trainer.
@@ -95,6 +106,7 @@ class FSDPStrategy(ModelParallelStrategy):
         activation_checkpointing: Literal["auto"] | list[str] | None = None,
         sync_batchnorm: bool | Literal["auto"] = "auto",
         save_distributed_checkpoint: bool = True,
+        hang_timeout: float | None = DEFAULT_HANG_TIMEOUT,
         timeout: timedelta | None = default_pg_timeout,
         process_group_backend: str | None = None,
         accelerator: Accelerator | None = None,
@@ -110,6 +122,7 @@ class FSDPStrategy(ModelParallelStrategy):
         check_bool(owner, "cpu_offload", cpu_offload)
         check_choice(owner, "sync_batchnorm", sync_batchnorm, (True, False, "auto"))
         check_bool(owner, "save_distributed_checkpoint", save_distributed_checkpoint)
+        check_positive(owner, "hang_timeout", hang_timeout, allow_none=True, unit="seconds", hint="None turns it off")
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
@@ -130,6 +143,11 @@ class FSDPStrategy(ModelParallelStrategy):
         self.units: list[str] = []  # the sharding units of the last setup, by module name ("" is the LightningModule)
         self.checkpointed: list[str] = []
         self.precision_name = "32-true"
+        self._exact_resume = ExactResume(owner)
+        self.distributed_saves = save_distributed_checkpoint
+        self.hang_timeout = hang_timeout
+        self._hang_watch = FitHangWatch(hang_timeout)
+        self._sigterm_agreement = None
 
     @override
     def setup_environment(self) -> None:
@@ -159,6 +177,8 @@ class FSDPStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and not self.cpu_offload:
             compat.optimizers_to_device(self.optimizers, self.root_device)
+        self._install_agreement(trainer, paused=self._hang_watch.paused)
+        self._hang_watch.setup(trainer)
 
     def _check_setup(self, trainer: "pl.Trainer") -> None:
         self.precision_name = check_precision(type(self).__name__, str(trainer.precision))
@@ -200,6 +220,42 @@ class FSDPStrategy(ModelParallelStrategy):
             f"({self.sharding} sharding) in {len(self.units)} units: {_summarise(self.units)}"
             + (f"; activations recomputed in {len(self.checkpointed)} blocks" if self.checkpointed else "")
         )
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Save as Lightning's ``ModelParallelStrategy`` does, but so that a kill mid-save never corrupts ``filepath``.
+
+        A sharded checkpoint is written into a hidden folder beside ``filepath`` and renamed into place once complete
+        (:func:`~lightning_mgpu.utilities.atomic_save.replace_folder`); a one-file checkpoint goes through
+        :func:`~lightning_mgpu.utilities.atomic_save.save_atomically`. Remote paths save as Lightning does.
+        """
+        with self._hang_watch.paused():
+            self._add_resume_state(checkpoint)  # into the checkpoint's metadata file, beside the shards
+            target = Path(self.broadcast(str(filepath)))  # rank 0's path, as Lightning's save takes
+            remote = "://" in str(filepath) or storage_options is not None
+            if remote or (target.is_dir() and not self.distributed_saves):
+                super().save_checkpoint(checkpoint, filepath, storage_options)  # Lightning's errors and cleanup
+            elif not self.distributed_saves:
+                if self.is_global_zero:
+                    save_atomically(self.checkpoint_io, checkpoint, target, None)
+            else:
+                # rank 0 names the folder (removing stale ones) before any rank writes a shard into it
+                name = staging_folder(target, uuid.uuid4().hex[:8]).name if self.is_global_zero else ""
+                staging = target.with_name(self.broadcast(name))
+                super().save_checkpoint(checkpoint, staging)
+                if self.is_global_zero:
+                    replace_folder(staging, target)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        self._exact_resume.load(checkpoint, self.global_rank, self.world_size)
+        return checkpoint
+
+    @override
+    def teardown(self) -> None:
+        self._exact_resume.teardown()
+        super().teardown()
 
     @contextmanager
     @override

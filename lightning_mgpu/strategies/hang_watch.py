@@ -13,10 +13,14 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
 
 from lightning_mgpu import compat
 from lightning_mgpu.utilities.hang_watchdog import HangWatchdog
@@ -99,3 +103,54 @@ def _batch(trainer: "pl.Trainer") -> int:
 
 def _report_dir(trainer: "pl.Trainer") -> Path:
     return Path(trainer.log_dir or trainer.default_root_dir)
+
+
+class HangWatchHooks(Strategy):
+    """The strategy hooks that feed a :class:`FitHangWatch`, for a strategy class to list before its Lightning base.
+
+    The strategy builds ``self._hang_watch`` in its ``__init__``, calls :meth:`FitHangWatch.setup` at the end of its
+    ``setup`` and wraps its checkpoint writing in :meth:`FitHangWatch.paused`.
+    """
+
+    _hang_watch: FitHangWatch
+
+    @property
+    def _watched_trainer(self) -> "pl.Trainer | None":
+        module = self.lightning_module
+        return module.trainer if module is not None else None
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if (trainer := self._watched_trainer) is not None:
+            self._hang_watch.on_train_batch_start(trainer)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._hang_watch.beat(self._watched_trainer, "forward")
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self._hang_watch.beat(self._watched_trainer, "backward")
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._hang_watch.beat(self._watched_trainer, "validation")
+        return super().validation_step(*args, **kwargs)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        with self._hang_watch.paused():  # e.g. the other ranks waiting while rank 0 writes a checkpoint
+            super().barrier(*args, **kwargs)
+
+    @override
+    def on_train_end(self) -> None:
+        self._hang_watch.stop()
+        super().on_train_end()
+
+    @override
+    def teardown(self) -> None:
+        self._hang_watch.stop()
+        super().teardown()

@@ -104,8 +104,8 @@ class MultiGPUStrategy(DDPStrategy):
             whose activations are recomputed in the backward.
         memory_budget_mb: with ``mode="auto"`` and several processes, plan against this many MB per device instead of
             the device's free memory; the plan (see below) then runs on CPU too.
-        hang_timeout: DDP modes: seconds a rank may make no progress before every rank writes a hang report and exits
-            with status 124 (see :class:`DDPStrategy`); ``None`` turns the watchdog off.
+        hang_timeout: DDP and FSDP modes: seconds a rank may make no progress before every rank writes a hang report
+            and exits with status 124 (see :class:`DDPStrategy`); ``None`` turns the watchdog off.
         timeout: process group timeout.
         process_group_backend: ``None`` picks gloo for CPU and NCCL for CUDA.
         accelerator: set by the Trainer.
@@ -318,6 +318,7 @@ class MultiGPUStrategy(DDPStrategy):
             self.fsdp_options,
             activation_checkpointing=self.activation_checkpointing,
             sync_batchnorm=sync_batchnorm,
+            hang_timeout=self.hang_timeout,
             timeout=compat.process_group_timeout(self),
             process_group_backend=self.process_group_backend,
             parallel_devices=self.parallel_devices,

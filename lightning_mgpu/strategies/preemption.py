@@ -7,6 +7,12 @@ instance: the signal handler only records the signal, and at each batch boundary
 batch in the process group's key-value store (first writer wins). Every rank checks the store, a host-side TCP
 round trip with no collective and no device synchronisation, and stops exactly at the published batch.
 
+SLURM's requeue signal (SIGUSR1 before the time limit, for ``SLURMEnvironment(auto_requeue=True)``) goes the same
+way. Lightning saves its ``hpc_ckpt_<n>.ckpt`` and requeues the job from inside the signal handler, wherever each
+rank's step happens to be, so the save's collectives can meet a gradient all-reduce in flight and the checkpoint holds
+a half-done step. Here the handler only records the signal; every rank saves that checkpoint at the agreed batch,
+rank 0 runs ``scontrol requeue``, and every rank stops.
+
 A fit's end is a meeting point in the same store, not a collective: a rank that finished its batches while another
 still trains (different numbers of batches per rank) gets :class:`EndOfFitTimeoutError` within seconds instead of
 waiting in a barrier for the process group's timeout.
@@ -16,6 +22,7 @@ import logging
 import signal
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from types import FrameType
 from typing import Any
@@ -23,14 +30,23 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
+from typing_extensions import override
 
 from lightning_mgpu import compat
+from lightning_mgpu.utilities.slurm import requeue_slurm_job
 
 log = logging.getLogger(__name__)
 
 _KEY = "stop_batch"
+# set by a rank before it publishes a stop batch, saying why: read once every rank has arrived at the stop
+_SIGTERM_KEY, _REQUEUE_KEY = "reason/sigterm", "reason/requeue"
+# what the ranks do at the meeting, decided once by compare_set: save and requeue, nothing, or abandoned by a rank that
+# stopped waiting for the others
+_DECISION_KEY, _SAVE, _NO_SAVE, _ABANDON = "decision", "save", "none", "abandon"
 # the store is read every this many batches: a lookup costs 0.3-0.6 ms per step on 2 busy CPU processes
 CHECK_INTERVAL = 4
 # seconds a rank that reached the end of its fit waits for a rank that has not even started its final training batch
@@ -55,13 +71,21 @@ class SigtermAgreement:
     published, so it sees the key at that read at the latest; all ranks then raise Lightning's ``SIGTERMException``
     at the same batch boundary. A SIGTERM during the batch that started as batch ``b`` therefore stops every rank
     after ``M`` to ``M + I - 1`` further batches (``M = accumulate_grad_batches``, ``I = interval``), ``M + I`` to
-    ``M + 2I - 1`` on CUDA, or at the end of the fit if that comes first.
+    ``M + 2I - 1`` on CUDA, or at the end of the fit if that comes first. Under accumulation the ranks go on to the
+    end of the optimizer step in progress (up to ``M - 1`` batches more, alike on every rank), so a checkpoint
+    taken at the stop holds no half-accumulated gradient.
 
     Every rank leaves the fit through one meeting in the store (:meth:`at_train_end`, or the agreed stop batch),
     never a collective: each rank records its batch count and waits for the others. A rank that has not arrived and
     has not started what may be its final training batch (published by :meth:`at_train_batch_start`) after
     :data:`END_OF_FIT_TIMEOUT` seconds is stuck in a batch the others do not have, and the ranks that arrived raise
     :class:`EndOfFitTimeoutError` naming it. Rank 0 serves the store, so it leaves last.
+
+    SLURM's requeue signal (:meth:`on_requeue_signal`) publishes a stop batch in the same way. There the ranks save
+    Lightning's SLURM checkpoint together (``hpc_ckpt_<n>.ckpt`` in ``default_root_dir``, which a requeued
+    ``fit(ckpt_path=None)`` loads; a collective save, decided once in the store), rank 0 requeues the job, and all
+    raise ``SIGTERMException``. A requeue signal too close to the fit's end for a stop batch neither saves nor
+    requeues: the fit has finished.
 
     Args:
         store: a ``torch.distributed`` store shared by all ranks (a fresh prefix per fit).
@@ -73,6 +97,8 @@ class SigtermAgreement:
         rank: this process's global rank.
         world_size: the number of processes that meet at the end of the fit.
         timeout: the longest wait for a rank that is still finishing its final batch: the process group's timeout.
+        paused: a context manager factory for the save, the requeue and rank 0's last wait (the hang watchdog's
+            pause).
 
     Example::
 
@@ -92,8 +118,10 @@ class SigtermAgreement:
         rank: int = 0,
         world_size: int = 1,
         timeout: timedelta = timedelta(minutes=30),
+        paused: Callable[[], AbstractContextManager[Any]] = nullcontext,
     ) -> None:
         self.store = store
+        self._paused = paused
         self.margin = margin
         self.interval = interval
         self.rank = rank
@@ -104,15 +132,22 @@ class SigtermAgreement:
         self.cuda = cuda
         self._event: Any = None
         self.batch = 0
-        self.signalled = False
+        self.signalled = False  # SIGTERM
+        self.requeue_requested = False  # SLURM's requeue signal
         self.published = False
+        self._published_reasons: set[str] = set()
         self.stop_batch: int | None = None
         self._trainer: pl.Trainer | None = None
         self._undo_run_end: Callable[[], None] | None = None
 
     @classmethod
-    def for_trainer(cls, trainer: "pl.Trainer") -> "SigtermAgreement | None":
-        """Build an agreement for ``trainer``'s fit, or ``None`` (with one debug line) where it cannot apply."""
+    def for_trainer(
+        cls, trainer: "pl.Trainer", paused: Callable[[], AbstractContextManager[Any]] = nullcontext
+    ) -> "SigtermAgreement | None":
+        """Build an agreement for ``trainer``'s fit, or ``None`` (with one debug line) where it cannot apply.
+
+        ``paused``: a context in which this rank's hang watchdog declares no hang (the meeting, the save, the requeue).
+        """
         reason = _unsupported_reason(trainer)
         if reason is not None:
             log.debug(f"lightning_mgpu: keeping Lightning's per-step SIGTERM broadcast: {reason}")
@@ -125,12 +160,13 @@ class SigtermAgreement:
             rank=trainer.global_rank,
             world_size=trainer.world_size,
             timeout=getattr(default_store, "timeout", timedelta(minutes=30)),  # the process group's
+            paused=paused,
         )
 
     def install(self, trainer: "pl.Trainer") -> None:
         """Take over the per-batch check and the SIGTERM notifier of this trainer instance only."""
         self._trainer = trainer
-        compat.replace_sigterm_handling(trainer, self.at_batch_boundary, self.on_sigterm)
+        compat.replace_sigterm_handling(trainer, self.at_batch_boundary, self.on_sigterm, self.on_requeue_signal)
         # whatever ends the loop (the data, max_steps, a Timer, EarlyStopping, should_stop): this rank's last batch
         # is behind it, so the meeting waits for it while callbacks' on_train_end hooks run
         self._undo_run_end = compat.run_before_leaving_training(trainer, self.publish_possibly_last_batch)
@@ -155,17 +191,36 @@ class SigtermAgreement:
                 launcher.kill(signum)  # as stock: the processes this one launched get the signal too
         self.signalled = True
 
+    def on_requeue_signal(self, signum: int, frame: FrameType | None) -> None:
+        """Signal handler for SLURM's requeue signal: record it; the save and the requeue wait for the agreed batch."""
+        trainer = self._trainer
+        if trainer is not None:
+            log.info(rank_prefixed_message(f"Received SLURM's requeue signal: {signum}", trainer.local_rank))
+        self.requeue_requested = True
+
     def at_batch_boundary(self) -> None:
         """Called by the training loop before every batch; raises ``SIGTERMException`` at the agreed batch."""
         self.batch += 1
         if self._trainer is not None:  # accumulation may change between epochs (GradientAccumulationScheduler)
             self.margin = max(1, self._trainer.accumulate_grad_batches)
-        if self.signalled and not self.published:
+        if (self.signalled or self.requeue_requested) and self._unpublished_reasons():
             self._publish()
         if self.stop_batch is None and self.batch % self.interval == 0 and self._read():
             self.stop_batch = int(self.store.get(_KEY))
-        if self.stop_batch is not None and self.batch >= self.stop_batch:
+        if self.stop_batch is not None and self.batch >= self.stop_batch and self._optimizer_step_ended():
             self._leave(at_train_end=False)
+
+    def _optimizer_step_ended(self) -> bool:
+        """Whether the batch before this boundary ended an optimizer step (no gradients are half accumulated).
+
+        A checkpoint taken inside an accumulation window would lack the gradients accumulated so far, and the resumed
+        run would finish the window with part of its gradient. Every rank has the same batch counts (the agreement
+        already assumes it), so all extend the agreed stop batch to the same window end.
+        """
+        trainer = self._trainer
+        if trainer is None:
+            return True
+        return trainer.fit_loop.epoch_loop.batch_progress.current.ready % max(1, trainer.accumulate_grad_batches) == 0
 
     def at_train_batch_start(self) -> None:
         """Called by the strategy once a batch has started: publish its number when it may be this rank's last.
@@ -180,7 +235,20 @@ class SigtermAgreement:
         """Record in the store that the batch this rank has just started may be its last of the fit."""
         self.store.set(f"final/{self.rank}", str(self.batch))
 
+    def _unpublished_reasons(self) -> list[str]:
+        wanted = [key for key, flag in ((_SIGTERM_KEY, self.signalled), (_REQUEUE_KEY, self.requeue_requested)) if flag]
+        return [key for key in wanted if key not in self._published_reasons]
+
+    def _publish_reasons(self) -> None:
+        # a second signal after the stop batch was published (SIGTERM after SLURM's requeue signal) adds its reason
+        for key in self._unpublished_reasons():
+            self.store.set(key, "1")
+            self._published_reasons.add(key)
+
     def _publish(self) -> None:
+        self._publish_reasons()
+        if self.published:
+            return
         earliest = self.batch + self.margin + (self.interval if self.cuda else 0)
         target = -(-earliest // self.interval) * self.interval  # the first read at or after `earliest`
         # compare_set with expected "" inserts only if the key is absent: the first signalled rank wins
@@ -207,27 +275,57 @@ class SigtermAgreement:
     def _leave(self, at_train_end: bool) -> None:
         self._publish_late_signal()
         self.store.set(f"end/{self.rank}", str(self.batch))
+        if at_train_end:
+            self.store.add("ended", 1)
         self.store.add("arrived", 1)
         self._wait_for_arrivals(at_train_end)
-        stop = self.store.check([_KEY])  # every rank published what it had before it arrived
-        self.store.add("left", 1)
-        if self.rank == 0:
-            # rank 0 serves the store: the others' last request must be answered before its process may exit
-            self._wait_for("left", time.monotonic() + END_OF_FIT_TIMEOUT)
-        if stop:
+        # every rank published what it had before it arrived, so all read the same here; the save is collective, so
+        # it is decided once, in the store: a rank that stopped waiting (a signal, see _wait_for_arrivals) may have
+        # decided "abandon" first
+        sigterm, requeue = self.store.check([_SIGTERM_KEY]), self.store.check([_REQUEUE_KEY])
+        # a rank that ended its fit has no stop batch to save at (the fit is over, or ranks ran uneven batch counts)
+        proposal = _SAVE if requeue and int(self.store.add("ended", 0)) == 0 else _NO_SAVE
+        decision = self.store.compare_set(_DECISION_KEY, "", proposal).decode()
+        # the hang watchdog declares nothing from here: the save and the requeue may take longer than hang_timeout, and
+        # the meeting is over (while ranks wait for each other above, a rank stuck elsewhere is still reported)
+        with self._paused():
+            if decision == _SAVE:
+                self._save_and_requeue()
+            self.store.add("left", 1)
+            if self.rank == 0:
+                # rank 0 serves the store: the others' last request must be answered before its process may exit
+                self._wait_for("left", time.monotonic() + END_OF_FIT_TIMEOUT)
+        if decision == _SAVE:
+            self._raise_sigterm("for SLURM's requeue")
+        # a requeue signal alone does not stop a rank whose fit has ended: the run is complete
+        if sigterm or (requeue and not at_train_end) or decision == _ABANDON:
             self._raise_sigterm()
+        if requeue:
+            log.info(f"lightning_mgpu: the fit ended before an agreed requeue batch; rank {self.rank} did not requeue")
 
-    def _raise_sigterm(self) -> None:
+    def _save_and_requeue(self) -> None:
+        """Every rank, at the agreed batch: save Lightning's SLURM checkpoint (a collective save); rank 0 requeues."""
+        trainer = self._trainer
+        if trainer is None:
+            return
+        path = compat.slurm_checkpoint_path(trainer)
+        trainer.save_checkpoint(path)
+        if trainer.is_global_zero:
+            log.info(f"lightning_mgpu: saved {path} at batch {self.batch} for SLURM's requeue")
+            requeue_slurm_job()
+
+    def _raise_sigterm(self, reason: str = "after a SIGTERM") -> None:
         trainer = self._trainer
         if trainer is not None:
             compat.mark_sigterm_received(trainer)
-            log.info(rank_prefixed_message(f"Stopping at batch {self.batch} after a SIGTERM", trainer.local_rank))
+            log.info(rank_prefixed_message(f"Stopping at batch {self.batch} {reason}", trainer.local_rank))
         # Lightning's SIGTERMException is a SystemExit: without a code the process would exit 0, and a launcher take
         # the stopped run for a finished one
         raise SIGTERMException(SIGTERM_EXIT_CODE)
 
     def _publish_late_signal(self) -> None:
-        if self.signalled and not self.published:
+        self._publish_reasons()
+        if (self.signalled or self.requeue_requested) and not self.published:
             self.store.compare_set(_KEY, "", str(self.batch))
             self.published = True
 
@@ -245,7 +343,10 @@ class SigtermAgreement:
             if self.signalled and signal_deadline is None:
                 signal_deadline = now + END_OF_FIT_TIMEOUT
             if signal_deadline is not None and now > signal_deadline:
-                self._raise_sigterm()
+                # stop alone unless every rank has arrived and one has decided already: then that decision holds
+                if self.store.compare_set(_DECISION_KEY, "", _ABANDON).decode() == _ABANDON:
+                    self._raise_sigterm()
+                signal_deadline = float("inf")
             if short_deadline is not None and now > short_deadline:
                 missing = self._missing_ranks()
                 stuck = {r: f for r, f in missing.items() if f != self.batch}
@@ -316,3 +417,41 @@ def _unsupported_reason(trainer: "pl.Trainer") -> str | None:
     if not (dist.is_available() and dist.is_initialized()) or trainer.world_size <= 1:
         return "no process group of more than one process"
     return compat.sigterm_internals_missing(trainer)
+
+
+class SigtermAgreementHooks(Strategy):
+    """The strategy hooks of :class:`SigtermAgreement`, for a strategy class to list before its Lightning base.
+
+    The strategy sets ``self._sigterm_agreement = None`` in its ``__init__`` and calls :meth:`_install_agreement`
+    at the end of its ``setup``; list it after :class:`~lightning_mgpu.strategies.hang_watch.HangWatchHooks`, whose
+    ``on_train_end`` stops the watchdog before the meeting (which has timeouts of its own).
+    """
+
+    _sigterm_agreement: SigtermAgreement | None
+
+    def _install_agreement(
+        self, trainer: "pl.Trainer", paused: Callable[[], AbstractContextManager[Any]] = nullcontext
+    ) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._sigterm_agreement = SigtermAgreement.for_trainer(trainer, paused=paused)
+            if self._sigterm_agreement is not None:
+                self._sigterm_agreement.install(trainer)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self._sigterm_agreement is not None:
+            self._sigterm_agreement.at_train_batch_start()
+
+    @override
+    def on_train_end(self) -> None:
+        if self._sigterm_agreement is not None:
+            self._sigterm_agreement.at_train_end()
+        super().on_train_end()
+
+    @override
+    def teardown(self) -> None:
+        if self._sigterm_agreement is not None:
+            self._sigterm_agreement.uninstall()
+            self._sigterm_agreement = None
+        super().teardown()

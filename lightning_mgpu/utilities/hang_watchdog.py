@@ -119,7 +119,7 @@ class HangWatchdog:
         self.report: str | None = None
         self.stuck_ranks: list[int] | None = None
         self._progress = 0
-        self._paused = False
+        self._pause_depth = 0  # pauses nest: a checkpoint save inside a paused meeting
         self._watched_thread_id: int | None = None  # tests point it at a worker thread before start()
         self._stop_event = threading.Event()
         self._thread: threading.Thread | None = None
@@ -142,14 +142,19 @@ class HangWatchdog:
         self.step = step
         self.phase = phase
 
+    @property
+    def _paused(self) -> bool:
+        return self._pause_depth > 0
+
     def pause(self) -> None:
-        """Declare no hang from this rank until :meth:`resume`; heartbeats and stack requests go on."""
-        self._paused = True
+        """Declare no hang from this rank until the matching :meth:`resume`; heartbeats and stack requests go on."""
+        self._pause_depth += 1
 
     def resume(self) -> None:
-        """End :meth:`pause`; the ``timeout`` counts from here."""
-        self._paused = False
-        self._progress += 1
+        """End one :meth:`pause`; once none is left, the ``timeout`` counts from here."""
+        self._pause_depth = max(0, self._pause_depth - 1)
+        if self._pause_depth == 0:
+            self._progress += 1
 
     def stop(self) -> None:
         """Stop the thread and wait for it (one interval and the stack wait at most); later calls do nothing."""
@@ -219,7 +224,12 @@ class HangWatchdog:
             if r == self.rank:
                 continue
             beat = self._read(f"beat/{r}")
-            if beat is not None and json.loads(beat).get("paused"):
+            if beat is None:
+                continue
+            heartbeat = json.loads(beat)
+            # a rank that exited while paused (one that stopped waiting at a meeting) holds nobody back for long
+            fresh = time.time() - heartbeat.get("time", 0.0) < 3 * self.interval
+            if heartbeat.get("paused") and fresh:
                 return True
         return False
 

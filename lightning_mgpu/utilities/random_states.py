@@ -5,6 +5,7 @@ dropout masks and augmentations), so a resumed run needs each rank's own capture
 """
 
 import random
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -15,11 +16,12 @@ except ImportError:  # numpy is optional for torch
     np = None  # type: ignore[assignment]
 
 
-def capture_random_states(device: torch.device | None = None) -> dict[str, Any]:
+def capture_random_states(device: torch.device | None = None, replicas: Sequence[torch.device] = ()) -> dict[str, Any]:
     """This process's random streams as plain, picklable values.
 
     Args:
         device: the CUDA device whose generator is captured too; CPU devices and ``None`` capture none.
+        replicas: further CUDA devices this process draws on (DataParallel's other GPUs), captured in order.
     """
     states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if np is not None:
@@ -29,16 +31,21 @@ def capture_random_states(device: torch.device | None = None) -> dict[str, Any]:
     if device is not None and device.type == "cuda" and torch.cuda.is_initialized():
         states["cuda"] = torch.cuda.get_rng_state(device)
         states["cuda_device"] = device.index
+        states["cuda_replicas"] = [torch.cuda.get_rng_state(replica) for replica in replicas]
     return states
 
 
-def restore_random_states(states: dict[str, Any], device: torch.device | None = None) -> None:
+def restore_random_states(
+    states: dict[str, Any], device: torch.device | None = None, replicas: Sequence[torch.device] = ()
+) -> None:
     """Put back streams captured by :func:`capture_random_states`; a stream missing from ``states`` is left alone.
 
     Args:
         states: what :func:`capture_random_states` returned.
         device: the CUDA device to restore the captured CUDA stream on (this process's device, which may have
             another index than at the save); ``None`` restores it on the device it was captured from.
+        replicas: the devices to restore the captured ``replicas`` streams on, in the same order (as many as both
+            have).
     """
     torch.set_rng_state(states["torch"])
     random.setstate(states["python"])
@@ -48,6 +55,8 @@ def restore_random_states(states: dict[str, Any], device: torch.device | None = 
     if "cuda" in states and torch.cuda.is_available():
         target = device if device is not None and device.type == "cuda" else states["cuda_device"]
         torch.cuda.set_rng_state(states["cuda"], target)
+        for state, replica in zip(states.get("cuda_replicas", []), replicas, strict=False):
+            torch.cuda.set_rng_state(state, replica)
 
 
 def generator_states(*objects: Any) -> list[torch.Tensor | None]:

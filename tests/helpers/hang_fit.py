@@ -55,7 +55,7 @@ class HangingModel(pl.LightningModule):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--strategy", default="mgpu", choices=["mgpu", "ddp"])
+    parser.add_argument("--strategy", default="mgpu", choices=["mgpu", "fsdp", "ddp"])
     parser.add_argument("--hang-rank", type=int, default=1)
     parser.add_argument("--hang-step", type=int, default=7)
     parser.add_argument("--hang-timeout", type=float, default=15)
@@ -64,8 +64,9 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(0, verbose=False)
     timeout = timedelta(seconds=args.pg_timeout)
-    if args.strategy == "mgpu":
-        strategy = MultiGPUStrategy(hang_timeout=args.hang_timeout, timeout=timeout)
+    if args.strategy in ("mgpu", "fsdp"):
+        mode = "fsdp" if args.strategy == "fsdp" else "auto"
+        strategy = MultiGPUStrategy(mode=mode, hang_timeout=args.hang_timeout, timeout=timeout)
     else:
         strategy = StockDDPStrategy(timeout=timeout)
     data = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))

@@ -8,6 +8,10 @@ each rank's streams differ. Run as a script (Lightning re-runs it for rank 1) or
     python tests/helpers/resume_fit.py --out /tmp/x --kill-rank 1 --kill-step 22
     python tests/helpers/resume_fit.py --out /tmp/x --resume
     torchrun --nproc-per-node 2 --max-restarts 1 tests/helpers/resume_fit.py --out /tmp/x --resume --kill-once ...
+
+Under a (faked) SLURM environment the test starts both processes itself; ``--requeue-signal`` sends SLURM's requeue
+signal (SIGUSR1) instead of SIGKILL, and a requeued run resumes with ``fit(ckpt_path=None)``, as a SLURM job script
+does, from Lightning's ``hpc_ckpt_<n>.ckpt`` in ``--out``.
 """
 
 import argparse
@@ -81,17 +85,24 @@ class DropoutModel(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-2)
 
 
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: FSDP's parameters and optimizer states are shards (DTensors)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--strategy", default="mgpu", choices=["mgpu", "ddp"])
+    parser.add_argument("--strategy", default="mgpu", choices=["mgpu", "ddp", "fsdp"])
     parser.add_argument("--kill-rank", type=int, default=None)
     parser.add_argument("--kill-step", type=int, default=None)
     parser.add_argument("--kill-once", action="store_true", help="kill only in torchrun's first attempt")
     parser.add_argument("--sigterm", action="store_true", help="send SIGTERM, not SIGKILL; OnExceptionCheckpoint saves")
+    parser.add_argument("--requeue-signal", action="store_true", help="send SIGUSR1, SLURM's requeue signal")
     parser.add_argument("--resume", action="store_true", help='fit(ckpt_path="last")')
     parser.add_argument("--max-steps", type=int, default=30)
     parser.add_argument("--every", type=int, default=15)
+    parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.kill_once and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
@@ -99,8 +110,10 @@ def main() -> None:
 
     pl.seed_everything(0, verbose=False)
     model = DropoutModel(args.out, args.kill_rank, args.kill_step)
-    strategy = MultiGPUStrategy() if args.strategy == "mgpu" else "ddp"
+    strategy = {"mgpu": MultiGPUStrategy(), "fsdp": MultiGPUStrategy(mode="fsdp"), "ddp": "ddp"}[args.strategy]
     callbacks = [ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=args.every, save_last=True)]
+    if args.requeue_signal:
+        model.kill_signal = signal.SIGUSR1
     if args.sigterm:
         model.kill_signal = signal.SIGTERM
         callbacks.append(OnExceptionCheckpoint(dirpath=args.out / "ckpt", filename="on_exception"))
@@ -109,6 +122,8 @@ def main() -> None:
         devices=2,
         strategy=strategy,
         max_steps=args.max_steps,
+        accumulate_grad_batches=args.accumulate,
+        default_root_dir=args.out,
         callbacks=callbacks,
         logger=False,
         enable_progress_bar=False,
@@ -117,11 +132,15 @@ def main() -> None:
     )
     loader = DataLoader(Indexed(), batch_size=2, shuffle=True)
     trainer.fit(model, loader, ckpt_path="last" if args.resume else None)
-    parameters = {name: p.detach().clone() for name, p in model.named_parameters()}
+    parameters = {name: full(p).detach().clone() for name, p in model.named_parameters()}
     gathered = [None] * trainer.world_size
     torch.distributed.all_gather_object(gathered, parameters)
+    optimizer = trainer.optimizers[0].state_dict()
+    optimizer["state"] = {
+        index: {key: full(value) for key, value in state.items()} for index, state in optimizer["state"].items()
+    }
     if trainer.global_rank == 0:
-        record = {"parameters": gathered, "optimizer": trainer.optimizers[0].state_dict(), "step": trainer.global_step}
+        record = {"parameters": gathered, "optimizer": optimizer, "step": trainer.global_step}
         torch.save(record, args.out / "result.pt")
 
 

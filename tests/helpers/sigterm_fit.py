@@ -157,7 +157,7 @@ class StopMidEpochThenSlowEnd(pl.Callback):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--strategy", choices=["mgpu", "stock"], required=True)
+    parser.add_argument("--strategy", choices=["mgpu", "fsdp", "stock"], required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--sigterm-rank", type=int)
@@ -179,8 +179,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
 
     timeout = timedelta(seconds=args.pg_timeout)
-    if args.strategy == "mgpu":
-        strategy = MultiGPUStrategy(mode="ddp", timeout=timeout)
+    if args.strategy in ("mgpu", "fsdp"):
+        strategy = MultiGPUStrategy(mode="ddp" if args.strategy == "mgpu" else "fsdp", timeout=timeout)
     else:
         strategy = StockDDPStrategy(timeout=timeout)
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torchmetrics
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -312,3 +313,42 @@ def test_replica_device_attributes_follow_their_parameters():
     replica.__dict__["_device"] = torch.device("meta")  # what a copied __dict__ says on a second GPU
     _point_device_attributes_at_parameters(replica)
     assert replica.device == torch.device("cpu")
+
+
+class IndexedRegressor(Regressor):
+    """Records the sample indices of every training batch; noise drawn in the main thread, between steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.seen.append(batch[0].tolist())
+        batch[1].add_(torch.randn_like(batch[1]))  # the global stream, restored on resume
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.mse_loss(self.layer(batch[1]), batch[2])
+
+
+def test_a_mid_epoch_checkpoint_resumes_bit_identical_and_is_written_atomically(tmp_path):
+    def dp_fit(root, steps, ckpt_path=None):
+        torch.manual_seed(0)
+        model = IndexedRegressor()
+        x, y = data(n=40)
+        loader = DataLoader(TensorDataset(torch.arange(40), x, y), batch_size=BATCH, shuffle=True)
+        checkpoints = ModelCheckpoint(dirpath=root, every_n_train_steps=3, save_top_k=-1)
+        trainer = Trainer(
+            accelerator="cpu", devices=1, strategy=CPUDataParallelStrategy(), max_steps=steps, callbacks=[checkpoints],
+            default_root_dir=root, **{**QUIET, "enable_checkpointing": True},
+        )  # fmt: skip
+        trainer.fit(model, loader, ckpt_path=ckpt_path)
+        return model
+
+    reference = dp_fit(tmp_path / "reference", steps=10)  # 6 batches an epoch: step 3 is mid-epoch
+    interrupted = dp_fit(tmp_path / "interrupted", steps=4)
+    assert not [p for p in (tmp_path / "interrupted").iterdir() if p.name.endswith(".partial")]
+    torch.manual_seed(99)  # a new process's streams
+    resumed = dp_fit(tmp_path / "resumed", steps=10, ckpt_path=str(tmp_path / "interrupted" / "epoch=0-step=3.ckpt"))
+    assert interrupted.seen[:3] + resumed.seen == reference.seen  # the epoch's remaining batches, in order
+    assert torch.equal(resumed.layer.weight, reference.layer.weight)
+    assert torch.equal(resumed.layer.bias, reference.layer.bias)

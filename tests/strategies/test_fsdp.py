@@ -1,5 +1,7 @@
 """``FSDPStrategy`` / ``MultiGPUStrategy(mode="fsdp")`` in one process: options, refusals, sharding units."""
 
+import time
+
 import pytest
 import torch
 from lightning.pytorch import Trainer
@@ -119,3 +121,44 @@ def test_the_packs_callbacks_run_under_fsdp_and_the_memory_monitor_reports(tmp_p
     trainer.fit(TinyTransformer())
     assert trainer.global_step == 2
     assert monitor.training_peak_source == "host RSS" and monitor.training_peak_mb > 0
+
+
+class KilledBeforeTheRename(BaseException):
+    """Stands for the process dying once the new shards are written, before they are renamed into place."""
+
+
+def test_a_sharded_save_killed_before_it_completes_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):
+    import lightning_mgpu.strategies.fsdp as fsdp_module
+
+    torch.manual_seed(0)
+    trainer = fsdp_trainer()
+    trainer.fit(TinyTransformer())
+    target = tmp_path / "last.ckpt"
+    trainer.save_checkpoint(target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # no staging folder left
+    assert torch.load(target / "meta.pt", weights_only=False)["global_step"] == 2
+
+    def killed(staging, target):
+        raise KilledBeforeTheRename
+
+    written = {path.name: path.stat().st_mtime_ns for path in target.iterdir()}
+    time.sleep(0.01)
+    monkeypatch.setattr(fsdp_module, "replace_folder", killed)
+    with pytest.raises(KilledBeforeTheRename):
+        trainer.save_checkpoint(target)  # every shard and the metadata written again, then the process "dies"
+    monkeypatch.undo()
+    # the name still holds the whole previous checkpoint, untouched: not new shards beside old metadata
+    assert {path.name: path.stat().st_mtime_ns for path in target.iterdir()} == written
+    left = [p for p in tmp_path.iterdir() if p.name != "last.ckpt"]
+    assert len(left) == 1 and left[0].name.startswith(".last.ckpt.")  # hidden: "last" never resolves to it
+    trainer.save_checkpoint(target)  # the next save removes what the killed one left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def test_a_one_file_fsdp_checkpoint_is_written_atomically(tmp_path):
+    torch.manual_seed(0)
+    trainer = fsdp_trainer(strategy=FSDPStrategy(save_distributed_checkpoint=False))
+    trainer.fit(TinyTransformer())
+    trainer.save_checkpoint(tmp_path / "model.ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.ckpt"]
+    assert "state_dict" in torch.load(tmp_path / "model.ckpt", weights_only=False)

@@ -15,8 +15,10 @@ SCRIPT = Path(REPO) / "tests" / "helpers" / "hang_fit.py"
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_a_rank_sleeping_in_its_training_step_is_named_and_every_process_exits(tmp_path):
-    result = run_script(SCRIPT, "--out", tmp_path, "--hang-rank", 1, "--hang-step", 7, "--hang-timeout", 15, timeout=90)
+@pytest.mark.parametrize("strategy", ["mgpu", "fsdp"])
+def test_a_rank_sleeping_in_its_training_step_is_named_and_every_process_exits(tmp_path, strategy):
+    command = ["--out", tmp_path, "--strategy", strategy, "--hang-rank", 1, "--hang-step", 7, "--hang-timeout", 15]
+    result = run_script(SCRIPT, *command, timeout=90)
     ended = time.time()
     # the pipe closes only when both processes have ended: rank 1 (launched by rank 0) holds it too
     assert not result["hung"], result["output"][-3000:]
@@ -40,10 +42,10 @@ def test_a_rank_sleeping_in_its_training_step_is_named_and_every_process_exits(t
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_stock_lightning_in_the_same_case_names_no_rank_and_leaves_the_sleeping_rank_running(tmp_path):
-    # recorded with a 10 s process-group timeout instead of the default 30 minutes
-    result = run_script(SCRIPT, "--out", tmp_path, "--strategy", "ddp", "--pg-timeout", 10, timeout=35)
+    # recorded with a 5 s process-group timeout instead of the default 30 minutes
+    result = run_script(SCRIPT, "--out", tmp_path, "--strategy", "ddp", "--pg-timeout", 5, timeout=25)
     assert result["hung"]  # rank 1 never exits: the test's timeout killed it
-    assert "Timed out waiting 10000ms" in result["output"]  # rank 0's gloo error, which names no rank
+    assert "Timed out waiting 5000ms" in result["output"]  # rank 0's gloo error, which names no rank
     assert not list(tmp_path.glob("hang_report_rank*.txt"))
 
 

@@ -2,6 +2,7 @@
 
 import json
 import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lightning_mgpu.strategies import preemption
 from lightning_mgpu.strategies.preemption import CHECK_INTERVAL, SigtermAgreement
 from tests.helpers.processes import run_script
 
@@ -92,6 +94,40 @@ class TestAgreementLogic:
             with pytest.raises(SIGTERMException):
                 agreement.at_train_end()
 
+    def test_requeue_signal_on_one_rank_stops_every_rank_at_the_same_batch(self):
+        store = dist.HashStore()
+        ranks = [SigtermAgreement(store, margin=1, interval=4) for _ in range(2)]
+        ranks[1].at_batch_boundary()
+        ranks[1].on_requeue_signal(signal.SIGUSR1, None)
+        stops = []
+        for agreement in (ranks[1], ranks[0]):  # rank 1 publishes at its boundary 2; rank 0 reads it at 4
+            with pytest.raises(SIGTERMException):
+                for _ in range(8):
+                    agreement.at_batch_boundary()
+            stops.append(agreement.batch)
+        assert stops == [4, 4]
+
+    def test_requeue_signal_too_late_for_a_stop_batch_lets_the_finished_fit_end_normally(self):
+        store = dist.HashStore()
+        ranks = [SigtermAgreement(store, margin=1, interval=4) for _ in range(2)]
+        for _ in range(9):
+            for agreement in ranks:
+                agreement.at_batch_boundary()
+        ranks[1].on_requeue_signal(signal.SIGUSR1, None)  # in the last batch: nothing left to save or requeue for
+        for agreement in (ranks[1], ranks[0]):
+            agreement.at_train_end()  # no SIGTERMException: the run completed
+
+    def test_sigterm_after_the_requeue_stop_was_published_is_still_counted(self):
+        store = dist.HashStore()
+        ranks = [SigtermAgreement(store, margin=1, interval=4) for _ in range(2)]
+        ranks[0].at_batch_boundary()
+        ranks[0].on_requeue_signal(signal.SIGUSR1, None)
+        ranks[0].at_batch_boundary()  # boundary 2 publishes batch 4
+        ranks[0].on_sigterm(signal.SIGTERM, None)  # then SLURM's SIGTERM
+        ranks[0].at_batch_boundary()
+        assert store.check(["reason/sigterm"]) and store.check(["reason/requeue"])
+        assert ranks[0].stop_batch == 4
+
     @pytest.mark.parametrize("margin", [1, 2, 3])
     def test_batches_run_after_the_signalled_one_stay_within_the_documented_bound(self, margin):
         """The README's bound: M to M + I - 1 more batches (M = accumulate_grad_batches, I = CHECK_INTERVAL)."""
@@ -120,6 +156,7 @@ class TestAgreementLogic:
         agreement.install(trainer)
         assert trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor == agreement.at_batch_boundary
         assert trainer._signal_connector._sigterm_notifier_fn == agreement.on_sigterm
+        assert trainer._signal_connector._slurm_sigusr_handler_fn == agreement.on_requeue_signal
         assert other.fit_loop.epoch_loop._broadcast_sigterm_tensor.__func__ is (
             _TrainingEpochLoop._broadcast_sigterm_tensor
         )
@@ -128,6 +165,7 @@ class TestAgreementLogic:
             _TrainingEpochLoop._broadcast_sigterm_tensor
         )
         assert "_sigterm_notifier_fn" not in trainer._signal_connector.__dict__
+        assert "_slurm_sigusr_handler_fn" not in trainer._signal_connector.__dict__
 
     def test_not_installed_without_a_process_group(self):
         assert SigtermAgreement.for_trainer(Trainer(logger=False)) is None
@@ -148,11 +186,10 @@ def test_no_python_collective_per_training_step(tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("signalled_rank", [0, 1])
-def test_sigterm_on_one_rank_stops_every_rank_at_the_same_batch(tmp_path, signalled_rank, record_property):
-    ours = run_fit(
-        tmp_path, "mgpu", "--steps", 500, "--sigterm-rank", signalled_rank, "--sigterm-batch", SIGTERM_BATCH, timeout=90
-    )
+@pytest.mark.parametrize(("strategy", "signalled_rank"), [("mgpu", 0), ("mgpu", 1), ("fsdp", 1)])
+def test_sigterm_on_one_rank_stops_every_rank_at_the_same_batch(tmp_path, strategy, signalled_rank, record_property):
+    signal_at = ["--sigterm-rank", signalled_rank, "--sigterm-batch", SIGTERM_BATCH]
+    ours = run_fit(tmp_path, strategy, "--steps", 500, *signal_at, timeout=90)
     assert not ours["hung"], ours["output"][-3000:]
     assert set(ours["records"]) == {0, 1}, ours["output"][-3000:]
     completed = {rank: record["completed"] for rank, record in ours["records"].items()}
@@ -201,3 +238,64 @@ def test_sigterm_in_the_last_batches_still_stops_every_rank(tmp_path):
     assert not ours["hung"], ours["output"][-3000:]
     assert {r: rec["exception"] for r, rec in ours["records"].items()} == {0: "SIGTERMException", 1: "SIGTERMException"}
     assert [rec["completed"] for rec in ours["records"].values()] == [12, 12]
+
+
+class TestRequeueDecision:
+    """The collective save for SLURM's requeue is decided once: never by one rank alone. Threads stand for ranks."""
+
+    @staticmethod
+    def ranks(store):
+        ranks = [SigtermAgreement(store, margin=1, interval=4, rank=r, world_size=2) for r in range(2)]
+        saves = []
+        for agreement in ranks:
+            agreement._save_and_requeue = lambda agreement=agreement: saves.append(agreement.rank)
+        return ranks, saves
+
+    @staticmethod
+    def run(*actions):
+        outcomes = {}
+
+        def go(rank, action):
+            try:
+                action()
+                outcomes[rank] = "returned"
+            except SIGTERMException:
+                outcomes[rank] = "stopped"
+
+        threads = [threading.Thread(target=go, args=(rank, action)) for rank, action in enumerate(actions)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=20)
+        return outcomes
+
+    @staticmethod
+    def requeue_published_by_rank_1(ranks):
+        ranks[1].at_batch_boundary()
+        ranks[1].on_requeue_signal(signal.SIGUSR1, None)
+        ranks[1].at_batch_boundary()  # boundary 2 publishes batch 4
+        ranks[0].at_batch_boundary()
+        ranks[0].at_batch_boundary()
+
+    def test_every_rank_at_the_stop_batch_saves_and_stops(self):
+        ranks, saves = self.ranks(dist.HashStore())
+        self.requeue_published_by_rank_1(ranks)
+        to_stop = [lambda a=a: [a.at_batch_boundary() for _ in range(6)] for a in ranks]
+        assert self.run(*to_stop) == {0: "stopped", 1: "stopped"}
+        assert sorted(saves) == [0, 1] and [a.batch for a in ranks] == [4, 4]
+
+    def test_a_rank_whose_fit_ended_makes_nobody_save(self):
+        # uneven batch counts: rank 0's fit ends while rank 1 reaches the stop batch; a save by rank 1 alone would hang
+        ranks, saves = self.ranks(dist.HashStore())
+        self.requeue_published_by_rank_1(ranks)
+        outcomes = self.run(ranks[0].at_train_end, lambda: [ranks[1].at_batch_boundary() for _ in range(6)])
+        assert outcomes == {0: "returned", 1: "stopped"} and saves == []
+
+    def test_a_rank_that_stopped_waiting_makes_a_late_rank_skip_the_save(self, monkeypatch):
+        monkeypatch.setattr(preemption, "END_OF_FIT_TIMEOUT", 0.3)
+        ranks, saves = self.ranks(dist.HashStore())
+        self.requeue_published_by_rank_1(ranks)
+        ranks[1].on_sigterm(signal.SIGTERM, None)  # SLURM's SIGTERM too: rank 1 waits 0.3 s, then leaves alone
+        assert self.run(lambda: None, lambda: [ranks[1].at_batch_boundary() for _ in range(6)])[1] == "stopped"
+        assert self.run(lambda: [ranks[0].at_batch_boundary() for _ in range(6)])[0] == "stopped"
+        assert saves == []

@@ -111,13 +111,13 @@ def test_uneven_iterable_dataset_fails_within_seconds_naming_the_missing_rank(tm
         "--batches-per-rank",
         *counts,
         "--end-timeout",
-        10,
+        5,
         "--pg-timeout",
         300,
         timeout=90,
     )
     assert not result["hung"], result["output"][-3000:]
-    assert result["seconds"] < 75  # the end-of-fit wait is 10 s; process start-up on a loaded machine the rest
+    assert result["seconds"] < 75  # the end-of-fit wait is 5 s; process start-up on a loaded machine the rest
     record = result["records"][arrived]
     assert record["exception"] == "EndOfFitTimeoutError", result["output"][-3000:]
     assert record["completed"] == min(counts)

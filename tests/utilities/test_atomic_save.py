@@ -6,8 +6,10 @@ from typing import ClassVar
 import pytest
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.pytorch import Trainer
 
-from lightning_mgpu.utilities.atomic_save import save_atomically
+from lightning_mgpu import compat
+from lightning_mgpu.utilities.atomic_save import PARTIAL_SUFFIX, _partial_stem, save_atomically
 
 
 def test_save_writes_a_loadable_file_and_leaves_nothing_else(tmp_path):
@@ -62,3 +64,15 @@ def test_other_checkpoint_ios_save_as_they_always_do(tmp_path):
 
     save_atomically(Recording(), {"step": 1}, tmp_path / "a.ckpt", None)
     assert Recording.paths == [tmp_path / "a.ckpt"]  # in place: a subclass may write elsewhere or asynchronously
+
+
+def test_a_partial_file_left_beside_slurm_checkpoints_is_not_taken_for_one(tmp_path):
+    # Lightning finds hpc_ckpt_<n>.ckpt by reading the digits of every file name holding "ckpt_" in the folder
+    save_atomically(TorchCheckpointIO(), {"step": 1}, tmp_path / "hpc_ckpt_1.ckpt", None)
+    target = tmp_path / "hpc_ckpt_2.ckpt"
+    leftover = target.with_name(f"{_partial_stem(target)}.0badc0de{PARTIAL_SUFFIX}")  # as a SIGKILL mid-write leaves
+    leftover.write_bytes(b"half a checkpoint")
+    trainer = Trainer(default_root_dir=tmp_path, logger=False)
+    assert compat.slurm_checkpoint_path(trainer) == str(target)  # not hpc_ckpt_20 or the like
+    save_atomically(TorchCheckpointIO(), {"step": 2}, target, None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hpc_ckpt_1.ckpt", "hpc_ckpt_2.ckpt"]

@@ -1,5 +1,6 @@
 """HangWatchdog on real TCPStores: who is named stuck, no false alarm, a beat that never touches the store."""
 
+import json
 import textwrap
 import threading
 import time
@@ -175,6 +176,33 @@ def test_no_rank_declares_a_hang_while_another_is_paused(stores, tmp_path):
     finally:
         for watchdog in (writing, waiting):
             watchdog.stop()
+
+
+def test_pauses_nest_a_save_inside_a_paused_meeting_keeps_the_meeting_paused(stores, tmp_path):
+    master, _ = stores
+    watchdog = HangWatchdog(master, 0, 1, timeout=1, report_dir=tmp_path, exit_process=False)
+    watchdog.pause()  # the meeting
+    watchdog.pause()  # a checkpoint save inside it
+    watchdog.resume()
+    assert watchdog._paused
+    watchdog.resume()
+    assert not watchdog._paused
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_exited_while_paused_holds_back_no_hang_report(stores, tmp_path):
+    # rank 0's last heartbeat says paused, and then it is gone: rank 1, idle, still reports after a few intervals
+    master, client = stores
+    last_beat = {"progress": 1, "step": 5, "phase": "forward", "time": time.time(), "pid": 1, "host": "gone"}
+    last_beat.update(idle=0.0, paused=True)
+    master.set("beat/0", json.dumps(last_beat))
+    waiting = HangWatchdog(client(), 1, 2, timeout=1, report_dir=tmp_path, interval=0.2, exit_process=False)
+    waiting.start()
+    try:
+        waiting.beat(5, "batch_start")
+        assert _wait_for(lambda: waiting.report_path is not None, 10 * waiting.timeout)
+    finally:
+        waiting.stop()
 
 
 @pytest.mark.timeout(60)

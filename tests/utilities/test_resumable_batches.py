@@ -6,6 +6,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 
 from lightning_mgpu.utilities.random_states import capture_random_states, restore_random_states
 from lightning_mgpu.utilities.resumable_batches import ResumePoint, make_resumable, unresumable_reason
+from tests.helpers.runif import run_if
 
 
 class Recording(Dataset):
@@ -168,3 +169,16 @@ def test_a_batch_sampler_of_ones_own_resumes_whole_batches_in_order():
     head, tail, _, _, _ = interrupted_then_resumed(make, trained=2)
     assert head + tail == uninterrupted(make)
     assert [len(batch) for batch in tail] == [3, 4, 5]  # batches passed over whole, whatever their size
+
+
+@run_if(min_cuda_gpus=2)
+def test_random_states_round_trip_every_data_parallel_replica_gpu():
+    devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    torch.rand(1, device=devices[1])  # initialise CUDA
+    saved = capture_random_states(devices[0], devices[1:])
+    expected = [torch.rand(4, device=device) for device in devices]
+    for device in devices:
+        torch.rand(100, device=device)  # move every stream on
+    restore_random_states(saved, devices[0], devices[1:])
+    for device, values in zip(devices, expected, strict=True):
+        assert torch.equal(torch.rand(4, device=device), values)
