@@ -23,6 +23,7 @@ _EXPORTS: dict[str, str] = {
     "DistributedBatchNorm": "lightning_mgpu.utilities.distributed_batchnorm",
     "FSDPStrategy": "lightning_mgpu.strategies",
     "GPUMemoryMonitor": "lightning_mgpu.callbacks",
+    "GPUSelectionError": "lightning_mgpu.utilities.gpu_selection",
     "GradientClipping": "lightning_mgpu.callbacks",
     "MemoryHeadroomWarning": "lightning_mgpu.callbacks",
     "MultiGPUStrategy": "lightning_mgpu.strategies",
@@ -33,6 +34,7 @@ _EXPORTS: dict[str, str] = {
     "SingleDeviceStrategy": "lightning_mgpu.strategies",
     "StrategyChoice": "lightning_mgpu.strategies",
     "register_strategies": "lightning_mgpu.strategies",
+    "select_gpus": "lightning_mgpu.utilities.gpu_selection",
 }
 _SUBPACKAGES = ("callbacks", "cli", "configs", "strategies", "utilities")
 
@@ -58,6 +60,7 @@ if TYPE_CHECKING:
         register_strategies,
     )
     from lightning_mgpu.utilities.distributed_batchnorm import DistributedBatchNorm
+    from lightning_mgpu.utilities.gpu_selection import GPUSelectionError, select_gpus
 
 
 def __getattr__(name: str) -> Any:
@@ -101,6 +104,7 @@ __all__ = [
     "DistributedBatchNorm",
     "FSDPStrategy",
     "GPUMemoryMonitor",
+    "GPUSelectionError",
     "GradientClipping",
     "MemoryHeadroomWarning",
     "MultiGPUStrategy",
@@ -111,4 +115,5 @@ __all__ = [
     "SingleDeviceStrategy",
     "StrategyChoice",
     "__version__",
+    "select_gpus",
 ]

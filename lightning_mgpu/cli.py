@@ -15,10 +15,12 @@ from typing_extensions import override
 
 from lightning_mgpu.strategies import unknown_strategy_message
 from lightning_mgpu.utilities.batch_size import per_device_batch_size
+from lightning_mgpu.utilities.gpu_selection import select_gpus
 
 PER_DEVICE_BATCH_RESOLVER = "mgpu.per_device_batch"
 # the default of the top-level per_device_batch_size: derived from global_batch_size when a config gives that one
 DERIVED_BATCH_RESOLVER = "mgpu.derived_per_device_batch"
+FREE_GPUS_RESOLVER = "mgpu.free_gpus"
 _DERIVED_BATCH_DEFAULT = (
     "${" + DERIVED_BATCH_RESOLVER + ":${.global_batch_size},${.trainer.devices},${.trainer.num_nodes},"
     "${.trainer.accumulate_grad_batches},${.trainer.accelerator}}"
@@ -28,13 +30,15 @@ _READS_PER_DEVICE_BATCH = re.compile(r"\$\{[\w.\[\]]*\bper_device_batch_size\}")
 
 
 def register_resolvers() -> None:
-    """Register the omegaconf resolvers ``mgpu.per_device_batch`` and ``mgpu.derived_per_device_batch`` (idempotent).
+    """Register the pack's omegaconf resolvers (idempotent): batch arithmetic and GPU selection.
 
     ``${mgpu.per_device_batch:GLOBAL,DEVICES[,NUM_NODES[,ACCUMULATE[,ACCELERATOR]]]}`` resolves to
     :func:`lightning_mgpu.utilities.batch_size.per_device_batch_size` of those values.
     ``mgpu.derived_per_device_batch`` (the same five values) is the default of :class:`MGPULightningCLI`'s
     ``per_device_batch_size``: the same number when ``GLOBAL`` is set, else ``None``, or an error naming the keys
-    that read ``${per_device_batch_size}``.
+    that read ``${per_device_batch_size}``. ``${mgpu.free_gpus:COUNT[,MIN_FREE_MB]}`` resolves to
+    :func:`lightning_mgpu.utilities.gpu_selection.select_gpus` of those values: the indices of the ``COUNT`` visible
+    GPUs with the most free memory, for ``trainer.devices``.
 
     Example::
 
@@ -42,7 +46,8 @@ def register_resolvers() -> None:
           init_args:
             batch_size: ${mgpu.per_device_batch:${global_batch_size},${trainer.devices},${trainer.num_nodes}}
     """
-    if OmegaConf.has_resolver(PER_DEVICE_BATCH_RESOLVER) and OmegaConf.has_resolver(DERIVED_BATCH_RESOLVER):
+    names = (PER_DEVICE_BATCH_RESOLVER, DERIVED_BATCH_RESOLVER, FREE_GPUS_RESOLVER)
+    if all(OmegaConf.has_resolver(name) for name in names):
         return
 
     def resolve(global_batch_size, devices, num_nodes=1, accumulate_grad_batches=1, accelerator="auto"):
@@ -66,7 +71,12 @@ def register_resolvers() -> None:
     # omegaconf 2.4 renamed register_new_resolver to register_resolver (2.3's register_resolver is the legacy API)
     modern = hasattr(OmegaConf, "legacy_register_resolver")
     register = OmegaConf.register_resolver if modern else OmegaConf.register_new_resolver
-    for name, resolver in ((PER_DEVICE_BATCH_RESOLVER, resolve), (DERIVED_BATCH_RESOLVER, derive)):
+
+    def free_gpus(count, min_free_mb=0.0):
+        return select_gpus(count, min_free_mb)
+
+    resolvers = (PER_DEVICE_BATCH_RESOLVER, resolve), (DERIVED_BATCH_RESOLVER, derive), (FREE_GPUS_RESOLVER, free_gpus)
+    for name, resolver in resolvers:
         if not OmegaConf.has_resolver(name):
             register(name, resolver)
 

@@ -208,3 +208,18 @@ def test_cpu_config_trains_two_steps_on_two_processes_with_identical_parameters(
     # the run's config.yaml records the batch size the interpolation produced
     saved = next(tmp_path.rglob("config.yaml")).read_text()
     assert "per_device_batch_size: 64" in saved and "batch_size: 64" in saved
+
+
+def test_devices_chosen_by_free_memory_in_a_config(monkeypatch):
+    import lightning_mgpu.utilities.gpu_selection as gpu_selection
+    from tests.utilities.test_gpu_selection import three_gpus
+
+    monkeypatch.setitem(sys.modules, "pynvml", three_gpus())  # free: torch 0 10 GiB, torch 1 6 GiB, torch 2 14 GiB
+    monkeypatch.setattr(gpu_selection, "num_cuda_devices", lambda: 3)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0,1")
+    monkeypatch.setenv(gpu_selection.SELECTED_GPUS_VARIABLE, "")
+    cli = build(
+        "--config", str(config_path("multi_gpu")), "--config", str(BLOBS), "--trainer.devices=${mgpu.free_gpus:2}"
+    )
+    assert cli.config["trainer"]["devices"] == [2, 0]
+    assert cli.datamodule.batch_size == 128  # the global 256 over the 2 chosen GPUs
