@@ -1,4 +1,6 @@
-"""``python -m lightning_mgpu env`` (what a multi-GPU run depends on) and ``config`` (the shipped configs).
+"""``python -m lightning_mgpu``: the ``env``, ``check``, ``config``, ``plan`` and ``export`` commands.
+
+``env`` reports what a multi-GPU run depends on, and ``check`` measures and verifies it on this machine.
 
 ``config`` imports neither torch nor Lightning (the package skips its strategy registration under ``python -m``, see
 ``lightning_mgpu/__init__.py``), so it answers at once; ``env`` imports what its report needs when it runs.
@@ -30,6 +32,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     env.add_argument("--accelerator", default="auto", help="the Trainer's accelerator: auto, cpu, cuda or gpu")
     env.add_argument("--devices", type=_devices, default="auto", help="the Trainer's devices: N, -1 or auto")
     env.add_argument("--nodes", type=int, default=1, help="the Trainer's num_nodes")
+    check = commands.add_parser(
+        "check",
+        help="measure all-reduce, matmul and copy speed and verify sync-BN, NaNSkip and NVML on this machine; "
+        "exits 1 on a failure",
+    )
+    check.add_argument("--processes", type=int, default=None, help="default: one per visible GPU, or 2 on CPU")
+    check.add_argument("--max-mb", type=int, default=256, help="the largest all-reduce, in MB (from 4 KB up)")
+    check.add_argument("--checks", nargs="+", default=None, help="a subset of the checks (default: all)")
+    check.add_argument("--gpu-tests", action="store_true", help="also run the repo's CUDA tests (pytest -m cuda)")
     config = commands.add_parser("config", help="list the shipped LightningCLI configs, or print one's path")
     config.add_argument("name", nargs="?", choices=CONFIG_NAMES, help="print this config's path (for --config)")
     export = commands.add_parser(
@@ -55,6 +66,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name in CONFIG_NAMES:
                 print(f"{name:<16} {config_summary(name)}\n{'':<16} {config_path(name)}")
         return 0
+    if args.command == "check":
+        from lightning_mgpu.commands.check import CHECKS, run_check
+
+        unknown = sorted(set(args.checks or ()) - set(CHECKS))
+        if unknown:
+            check.error(f"--checks: unknown {', '.join(unknown)}; choose from {', '.join(CHECKS)}")
+        if args.processes is not None and args.processes < 1:
+            check.error(f"--processes must be at least 1, got {args.processes}")
+        if args.max_mb < 1:
+            check.error(f"--max-mb must be at least 1, got {args.max_mb}")
+        return run_check(args.processes, args.max_mb, args.checks or CHECKS, args.gpu_tests)
     if args.command == "plan":
         from lightning_mgpu.commands.plan import model_plan, parse_init_args
 
