@@ -36,6 +36,7 @@ QUICK = {
     "powersgd_accuracy": ["--epochs", "2"],
     "callback_overhead": ["--rounds", "2", "--steps", "60"],
     "memory_monitor_overhead": ["--rounds", "2", "--steps", "100"],
+    "performance_monitor_overhead": ["--rounds", "2", "--steps", "100"],
     "oom_backoff": ["--rounds", "2", "--steps", "60"],
     # 300 steps is the least that lets "auto" tune (10 x its 30 tuning steps); the large model would add 7 minutes
     "bucket_tuning": ["--models", "small", "--rounds", "1", "--steps", "300"],

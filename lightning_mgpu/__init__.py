@@ -31,8 +31,10 @@ _EXPORTS: dict[str, str] = {
     "NonFiniteStepsError": "lightning_mgpu.callbacks",
     "OOMBackoff": "lightning_mgpu.callbacks",
     "OOMRecoveryError": "lightning_mgpu.callbacks",
+    "PerformanceMonitor": "lightning_mgpu.callbacks",
     "SingleDeviceStrategy": "lightning_mgpu.strategies",
     "StrategyChoice": "lightning_mgpu.strategies",
+    "StragglerWarning": "lightning_mgpu.callbacks",
     "register_strategies": "lightning_mgpu.strategies",
     "select_gpus": "lightning_mgpu.utilities.gpu_selection",
 }
@@ -48,6 +50,8 @@ if TYPE_CHECKING:
         NonFiniteStepsError,
         OOMBackoff,
         OOMRecoveryError,
+        PerformanceMonitor,
+        StragglerWarning,
     )
     from lightning_mgpu.strategies import (
         DataParallelStrategy,
@@ -112,7 +116,9 @@ __all__ = [
     "NonFiniteStepsError",
     "OOMBackoff",
     "OOMRecoveryError",
+    "PerformanceMonitor",
     "SingleDeviceStrategy",
+    "StragglerWarning",
     "StrategyChoice",
     "__version__",
     "select_gpus",

@@ -170,6 +170,24 @@ def is_logging_step(trainer: "pl.Trainer") -> bool:
     return trainer._logger_connector.should_update_logs
 
 
+def training_logging_check(trainer: "pl.Trainer") -> Callable[[], bool]:
+    """:func:`is_logging_step` for this fit's training batches, cheaply: about 1 us in the loop, not 9 (2.5.2-2.6.6).
+
+    Lightning logs a training step when ``(batches stepped + 1) % log_every_n_steps == 0`` or training stops; where
+    that fails the check answers at once, and otherwise asks Lightning, so the answer is always Lightning's. Make it
+    once the fit loop exists (``on_train_start``).
+    """
+    epoch_loop, connector = trainer.fit_loop.epoch_loop, trainer._logger_connector
+
+    def check() -> bool:
+        every = trainer.log_every_n_steps
+        if not every or ((epoch_loop._batches_that_stepped + 1) % every and not trainer.should_stop):
+            return False
+        return connector.should_update_logs
+
+    return check
+
+
 def should_accumulate(trainer: "pl.Trainer") -> bool:
     """Whether the training batch under way only accumulates gradients, with no optimizer step (2.5.2-2.6.6)."""
     return trainer.fit_loop._should_accumulate()

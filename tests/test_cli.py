@@ -243,3 +243,24 @@ def test_other_parser_modes_leave_per_device_batch_size_unset(parser_mode):
         BoringModel, args=["--trainer.accelerator=cpu"], run=False, parser_kwargs={"parser_mode": parser_mode}
     )
     assert cli.config["per_device_batch_size"] is None
+
+
+def test_the_performance_monitor_is_configured_from_yaml(tmp_path):
+    path = tmp_path / "monitors.yaml"
+    path.write_text(
+        """
+trainer:
+  accelerator: cpu
+  callbacks:
+    - class_path: lightning_mgpu.PerformanceMonitor
+      init_args:
+        tokens_key: tokens
+        straggler_margin: 0.3
+        straggler_windows: 5
+        comm_timing: false
+"""
+    )
+    cli = build("--config", str(BLOBS), "--config", str(path), "--global_batch_size=8")
+    (monitor,) = [cb for cb in cli.trainer.callbacks if type(cb).__name__ == "PerformanceMonitor"]
+    assert (monitor.tokens_key, monitor.straggler_margin, monitor.straggler_windows) == ("tokens", 0.3, 5)
+    assert monitor.comm_timing is False

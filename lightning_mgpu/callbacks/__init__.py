@@ -5,6 +5,7 @@ from lightning_mgpu.callbacks.gpu_memory_monitor import GPUMemoryMonitor, Memory
 from lightning_mgpu.callbacks.gradient_clipping import GradientClipping
 from lightning_mgpu.callbacks.nan_skip import NaNSkip, NonFiniteStepsError
 from lightning_mgpu.callbacks.oom_backoff import OOMBackoff, OOMRecoveryError
+from lightning_mgpu.callbacks.performance_monitor import PerformanceMonitor, StragglerWarning
 
 __all__ = [
     "BatchSizeSearch",
@@ -15,4 +16,6 @@ __all__ = [
     "NonFiniteStepsError",
     "OOMBackoff",
     "OOMRecoveryError",
+    "PerformanceMonitor",
+    "StragglerWarning",
 ]

@@ -1,14 +1,11 @@
 """Log GPU and host memory, utilisation, temperature and power per GPU, and warn before an out-of-memory error."""
 
-import contextlib
-import math
 import warnings
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -18,16 +15,21 @@ from lightning_mgpu import compat
 from lightning_mgpu._imports import MATPLOTLIB_AVAILABLE, PROMETHEUS_AVAILABLE
 from lightning_mgpu.callbacks._logging import has_progress_bar, show_in_progress_bar
 from lightning_mgpu.strategies.data_parallel import DataParallelStrategy
-from lightning_mgpu.utilities.host_group import host_side_group
 from lightning_mgpu.utilities.memory_headroom import HeadroomWatch
 from lightning_mgpu.utilities.memory_sampler import GPU_METRICS, HOST_METRICS, MemorySampler, MonitoredGPU
 from lightning_mgpu.utilities.memory_timeline import MemoryTimeline, plot_timeline, unused_path
 from lightning_mgpu.utilities.nvml import NVMLSession, torch_device_uuid
 from lightning_mgpu.utilities.prometheus_exporter import PrometheusExporter
+from lightning_mgpu.utilities.rank_gather import (
+    RANK_STATISTICS,
+    RankGather,
+    join_rank_gather,
+    leave_rank_gather,
+    summarize_across_ranks,
+)
 from lightning_mgpu.utilities.training_events import EventFile, EventKind, EventLog, events_path
 from lightning_mgpu.utilities.validation import check_bool, check_int, check_number, check_sequence, check_str
 
-RANK_STATISTICS: tuple[str, ...] = ("max_rank", "min", "mean", "max")
 METRICS: tuple[str, ...] = GPU_METRICS + HOST_METRICS
 _FIRST_STAGE = {"fit": "train", "validate": "validate", "test": "test", "predict": "predict"}
 
@@ -206,8 +208,8 @@ class GPUMemoryMonitor(Callback):
         self._watch: HeadroomWatch | None = None
         self._event_file: EventFile | None = None
         self._event_sources: list[list[Any]] = []  # [log, events of it already read]
-        self._gather_group: Any = None
-        self._gather_device = torch.device("cpu")
+        self._gather: RankGather | None = None
+        self._gather_trainer: Any = None
         self._rank = 0
         self._world_size = 1
 
@@ -215,6 +217,11 @@ class GPUMemoryMonitor(Callback):
     def sampler(self) -> MemorySampler | None:
         """The running sampler, between ``setup`` and ``teardown``."""
         return self._sampler
+
+    @property
+    def exporter(self) -> PrometheusExporter | None:
+        """The Prometheus endpoint this monitor serves, while it runs (``PerformanceMonitor`` adds its gauges)."""
+        return self._exporter
 
     @property
     def warnings_issued(self) -> list[str]:
@@ -296,7 +303,7 @@ class GPUMemoryMonitor(Callback):
         if pl_module.automatic_optimization and compat.should_accumulate(trainer):
             return
         self._sampler.sample_now()
-        window = self._log_window(trainer, stage=None)
+        window = self._log_window(trainer, stage=None, key=(trainer.current_epoch, batch_idx, trainer.global_step))
         if window is None:
             return
         peak = peak_memory_mb(window)
@@ -347,7 +354,7 @@ class GPUMemoryMonitor(Callback):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         # threads, open files, HTTP servers and process groups cannot travel into spawned workers
-        for name in ("_sampler", "_timeline", "_exporter", "_watch", "_gather_group", "_event_file"):
+        for name in ("_sampler", "_timeline", "_exporter", "_watch", "_gather", "_gather_trainer", "_event_file"):
             state[name] = None
         return state
 
@@ -420,13 +427,20 @@ class GPUMemoryMonitor(Callback):
         return [MonitoredGPU(f"gpu{slot}", index, nvml_devices.get(index)) for slot, index in enumerate(indices)]
 
     def _setup_gather(self, trainer: "pl.Trainer") -> None:
-        self._gather_group, self._gather_device = None, torch.device("cpu")
-        if self._world_size < 2 or not (dist.is_available() and dist.is_initialized()):
-            return
-        # a side group on gloo keeps the numbers on the host: no device copy, no stream synchronisation
-        self._gather_group, self._gather_device = host_side_group(
-            trainer.strategy.root_device, compat.process_group_timeout(trainer.strategy), self._warn_on_this_rank
+        # shared with the other monitors of the run (PerformanceMonitor): one all-gather per logging step in all
+        self._gather_trainer = trainer
+        self._gather = join_rank_gather(
+            trainer,
+            self,
+            self._window_for_gather,
+            compat.process_group_timeout(trainer.strategy),
+            self._warn_on_this_rank,
         )
+
+    def _window_for_gather(self) -> torch.Tensor:
+        assert self._sampler is not None
+        self._sampler.sample_now()
+        return self._sampler.window_vector()
 
     def _start_exporter(self, local_rank: int, gpus: list[MonitoredGPU]) -> None:
         assert self.prometheus_port is not None
@@ -442,16 +456,20 @@ class GPUMemoryMonitor(Callback):
                 f"cannot serve Prometheus gauges on {self.prometheus_host}:{port}: {err}; training goes on without"
             )
 
-    def _log_window(self, trainer: "pl.Trainer", stage: str | None) -> dict[str, float] | None:
-        """Log the window to the loggers; return it, every key, unprefixed (``None`` on ranks other than 0)."""
+    def _log_window(self, trainer: "pl.Trainer", stage: str | None, key: Any = None) -> dict[str, float] | None:
+        """Log the window to the loggers; return it, every key, unprefixed (``None`` on ranks other than 0).
+
+        A training window (``stage=None``) travels in the run's shared logging-step gather, under ``key``.
+        """
         assert self._sampler is not None
-        if self._world_size > 1 and dist.is_available() and dist.is_initialized():
-            local = self._sampler.window_vector().to(self._gather_device)
-            gathered = [torch.empty_like(local) for _ in range(self._world_size)]
-            dist.all_gather(gathered, local, group=self._gather_group)
+        if self._gather is not None:
+            if stage is None:
+                gathered = self._gather.gather(self, key)
+            else:
+                gathered = self._gather.gather_now(self._sampler.window_vector())
             if self._rank != 0:
                 return None
-            window = summarize_across_ranks(torch.stack(gathered).cpu(), self._sampler.keys)
+            window = summarize_across_ranks(gathered, self._sampler.keys)
         else:
             window = self._sampler.take_window()
         metrics = window
@@ -483,7 +501,8 @@ class GPUMemoryMonitor(Callback):
 
     def _shutdown(self, print_paths: bool, plot: bool = True) -> None:
         """Stop everything this stage started; each part on its own, so one failure cannot leak the others."""
-        sampler, timeline, exporter, group = self._sampler, self._timeline, self._exporter, self._gather_group
+        sampler, timeline, exporter = self._sampler, self._timeline, self._exporter
+        gather_trainer = self._gather_trainer
         watch = self._watch
         self._collect_events()
         event_file = self._event_file
@@ -497,9 +516,8 @@ class GPUMemoryMonitor(Callback):
                 exporter.stop()
             except Exception as err:
                 self._warn_on_this_rank(f"stopping the Prometheus endpoint failed: {err!r}")
-        if group is not None:
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group(group)
+        if gather_trainer is not None:
+            leave_rank_gather(gather_trainer, self)
         if event_file is not None:
             event_file.close()
         if timeline is None:
@@ -549,22 +567,3 @@ def peak_memory_mb(window: dict[str, float]) -> float | None:
             host.append(value)
     peaks = gpu or host
     return max(peaks) if peaks else None
-
-
-def summarize_across_ranks(gathered: torch.Tensor, keys: list[str]) -> dict[str, float]:
-    """Min, mean, max and the rank holding the max of each key, over a ``[world_size, len(keys)]`` matrix.
-
-    NaN entries (a value a rank could not read) are left out; a key no rank could read is left out entirely.
-    """
-    metrics: dict[str, float] = {}
-    for column, key in enumerate(keys):
-        values = gathered[:, column]
-        known = ~torch.isnan(values)
-        if not bool(known.any()):
-            continue
-        present = values[known]
-        metrics[f"{key}_min"] = float(present.min())
-        metrics[f"{key}_mean"] = float(present.mean())
-        metrics[f"{key}_max"] = float(present.max())
-        metrics[f"{key}_max_rank"] = float(int(torch.where(known, values, -math.inf).argmax()))
-    return metrics

@@ -420,7 +420,8 @@ class OOMBackoff(Callback):
                     " several processes: a rank running more micro-batches than the others would call its"
                     " collective more often and hang. Turn sync_batchnorm off or remove the callback."
                 )
-            if compat.ddp_has_comm_hook(runner_model):
+            plain = getattr(trainer.strategy, "plain_reduction_hook", False)  # PerformanceMonitor's timing only
+            if compat.ddp_has_comm_hook(runner_model) and not plain:
                 rank_zero_warn(
                     f"{name}: the DDP communication hook registered on the model is bypassed; gradients are averaged"
                     " in full precision after the local backward passes."

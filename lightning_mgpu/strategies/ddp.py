@@ -32,8 +32,14 @@ from lightning_mgpu.strategies.sync_batchnorm import DeviceAgnosticSyncBatchNorm
 from lightning_mgpu.utilities.atomic_save import save_atomically
 from lightning_mgpu.utilities.blocks import apply_activation_checkpointing, check_class_names
 from lightning_mgpu.utilities.bucket_tuning import BucketTuningResult
-from lightning_mgpu.utilities.comm_hooks import COMM_HOOK_NAMES, CommHookName, register_comm_hook
+from lightning_mgpu.utilities.comm_hooks import (
+    COMM_HOOK_NAMES,
+    CommHookName,
+    register_comm_hook,
+    register_timed_allreduce,
+)
 from lightning_mgpu.utilities.distributed_batchnorm import has_batchnorm
+from lightning_mgpu.utilities.step_timing import CommTimer
 from lightning_mgpu.utilities.strategy_choice import StrategyChoice
 from lightning_mgpu.utilities.validation import check_bool, check_choice, check_int, check_positive
 
@@ -237,6 +243,10 @@ class DDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, compa
         self._exact_resume = ExactResume(type(self).__name__)
         self.hang_timeout = hang_timeout
         self._hang_watch = FitHangWatch(hang_timeout)
+        # set by PerformanceMonitor in its setup, before the model is wrapped: the reductions are then timed
+        self.comm_timer: CommTimer | None = None
+        # whether the hook registered is DDP's own reduction, only timed (no compression of ours or Lightning's)
+        self.plain_reduction_hook = False
 
     @property
     def ddp_kwargs(self) -> dict[str, Any]:
@@ -362,17 +372,38 @@ class DDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, compa
             )
         return DeviceAgnosticSyncBatchNorm() if wanted else None
 
+    @property
+    def comm_timed(self) -> bool:
+        """Whether the gradient reductions of the wrapped model are timed.
+
+        They are when a ``comm_timer`` is set, no hook of Lightning's is given, and the hook is not PowerSGD (whose
+        buckets all complete with the last one, so per-bucket spans would not say when each was reduced).
+        """
+        hook = self._active_comm_hook
+        if self.comm_timer is None or hook == "powersgd":
+            return False
+        return hook is not None or not compat.lightning_comm_state(self)
+
     @override
     def register_own_comm_hook(self) -> bool:
         hook = self._active_comm_hook
-        if hook is None:
+        self.plain_reduction_hook = False
+        if hook is None and (self.comm_timer is None or compat.lightning_comm_state(self)):
             return False  # Lightning registers its ddp_comm_hook, if one was given
         assert isinstance(self.model, DistributedDataParallel)
+        wrap = self.comm_timer.wrap if self.comm_timed and self.comm_timer is not None else None
+        if hook is None:
+            assert wrap is not None
+            register_timed_allreduce(self.model, wrap)
+            self.plain_reduction_hook = True
+            return True
         register_comm_hook(
             self.model,
             hook,  # type: ignore[arg-type]
             powersgd_rank=self.powersgd_rank,
             powersgd_warmup_steps=self.powersgd_warmup_steps,
+            process_group=self.model.process_group,
+            wrap=wrap,
         )
         return True
 

@@ -1,12 +1,17 @@
 """DDP communication hooks chosen by plain names: fp16/bf16 compression and a PowerSGD that also works on gloo."""
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook, fp16_compress_hook
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+    allreduce_hook,
+    bf16_compress_hook,
+    fp16_compress_hook,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_mgpu.utilities.validation import check_choice, check_int, check_positive
@@ -130,6 +135,7 @@ def register_comm_hook(
     powersgd_rank: int = 1,
     powersgd_warmup_steps: int = 100,
     process_group: Any = None,
+    wrap: Callable[[Callable], Callable] | None = None,
 ) -> None:
     """Register the communication hook called ``name`` on a DDP model.
 
@@ -144,6 +150,7 @@ def register_comm_hook(
         powersgd_rank: rank of the PowerSGD approximation, at least 1.
         powersgd_warmup_steps: steps of exact all-reduce before PowerSGD compresses, at least 0.
         process_group: the group to reduce over; ``None`` for the default group.
+        wrap: applied to the hook before it is registered (``CommTimer.wrap`` times it).
 
     Raises:
         TypeError: If ``model`` is not a ``DistributedDataParallel``, ``name`` not a string, or ``powersgd_rank`` or
@@ -163,10 +170,19 @@ def register_comm_hook(
         raise TypeError(f"{owner}: model must be a DistributedDataParallel, got {type(model).__name__}")
     if name == "powersgd":
         state = PowerSGDState(process_group=process_group, rank=powersgd_rank, warmup_steps=powersgd_warmup_steps)
-        model.register_comm_hook(state, powersgd_hook)
+        model.register_comm_hook(state, wrap(powersgd_hook) if wrap else powersgd_hook)
     else:
         hook = fp16_compress_hook if name == "fp16" else _bf16_compress_hook
-        model.register_comm_hook(process_group, hook)
+        model.register_comm_hook(process_group, wrap(hook) if wrap else hook)
+
+
+def register_timed_allreduce(model: DistributedDataParallel, wrap: Callable[[Callable], Callable]) -> None:
+    """Register DDP's own reduction (each bucket all-reduced and divided by the world size) as a hook, wrapped.
+
+    What DDP does without a hook, over the model's own process group, issued from Python so that ``wrap``
+    (``CommTimer.wrap``) can time each bucket.
+    """
+    model.register_comm_hook(model.process_group, wrap(allreduce_hook))
 
 
 def _bf16_compress_hook(process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:

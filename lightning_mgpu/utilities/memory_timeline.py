@@ -135,6 +135,7 @@ EVENT_STYLES: dict[str, tuple[str, str, str, str | None]] = {
     "oom_backoff": ("out-of-memory backoff", "tab:red", "-", "OOM backoff: "),
     "skipped_steps": ("skipped step (NaN/Inf)", "tab:orange", "-", "skipped: "),
     "headroom_warning": ("headroom warning", "tab:purple", "-", "warning: "),
+    "straggler": ("straggler warning", "tab:brown", "--", "straggler: "),
     "validation": ("validation run", "0.55", ":", None),
     "stage": ("stage boundary", "0.25", "-.", ""),
 }

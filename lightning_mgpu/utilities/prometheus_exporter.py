@@ -35,13 +35,14 @@ class PrometheusExporter:
         self.gpus = list(gpus)
         self.url: str | None = None
         self._server: Any = None
+        self._registry: Any = None
         self._gauges: dict[str, Any] = {}
 
     def start(self) -> str:
         """Register the gauges and start serving; returns the URL of the metrics page."""
         from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
-        registry = CollectorRegistry()
+        registry = self._registry = CollectorRegistry()
         for metric in GPU_METRICS:
             self._gauges[f"gpu/{metric}"] = Gauge(
                 f"gpu_{metric}", f"GPU {metric}", ["rank", "gpu", "uuid"], namespace=NAMESPACE, registry=registry
@@ -73,6 +74,27 @@ class PrometheusExporter:
             if value is not None:
                 self._gauges[f"host/{metric}"].labels(self.rank).set(value)
 
+    def set_performance(self, values: dict[str, float], uuid: str) -> None:
+        """Serve this rank's step-time figures as ``lightning_mgpu_perf_<metric>`` gauges (labels ``rank``, ``uuid``).
+
+        Called by ``PerformanceMonitor`` at its logging steps; NaN (unknown) values are left out.
+        """
+        if self._registry is None:
+            return
+        from prometheus_client import Gauge
+
+        for metric, value in values.items():
+            if value != value:  # NaN: unknown
+                continue
+            key = f"perf/{metric}"
+            if key not in self._gauges:
+                labels = ["rank", "uuid"]
+                description = f"training {metric}"
+                self._gauges[key] = Gauge(
+                    f"perf_{metric}", description, labels, namespace=NAMESPACE, registry=self._registry
+                )
+            self._gauges[key].labels(self.rank, uuid).set(value)
+
     def stop(self) -> None:
         """Stop serving and free the port."""
         if self._server is not None:
@@ -80,3 +102,4 @@ class PrometheusExporter:
             self._server.server_close()
             self._server = None
         self._gauges = {}
+        self._registry = None

@@ -8,7 +8,7 @@ import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from lightning_mgpu import BatchSizeSearch, GPUMemoryMonitor, GradientClipping, NaNSkip, OOMBackoff
+from lightning_mgpu import BatchSizeSearch, GPUMemoryMonitor, GradientClipping, NaNSkip, OOMBackoff, PerformanceMonitor
 
 CALLBACKS = {
     "clip_norm": lambda: GradientClipping(mode="norm", max_norm=1.0),
@@ -19,6 +19,7 @@ CALLBACKS = {
     "gpu_memory_monitor": lambda: GPUMemoryMonitor(sample_hz=20, prometheus_port=0),
     "oom_backoff": lambda: OOMBackoff(probe_up_after=2),
     "batch_size_search": lambda: BatchSizeSearch(),
+    "performance_monitor": lambda: PerformanceMonitor(prometheus_port=0),
 }
 
 

@@ -92,6 +92,17 @@ class SaveRankState(Callback):
         torch.save(state, self.out / f"rank{trainer.global_rank}.pt")
 
 
+class StopAfter(Callback):
+    """Stop at an optimizer step, while ``max_steps`` still tells the tuning how long the fit is."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -104,6 +115,7 @@ def main() -> None:
     parser.add_argument("--resume", type=Path, default=None)
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--val-every", type=int, default=0, help="validate 2 batches every N training batches")
+    parser.add_argument("--stop-after", type=int, default=0, help="stop at this step (max_steps still sets the plan)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     bucket = (
@@ -130,7 +142,7 @@ def main() -> None:
         accumulate_grad_batches=args.accumulate,
         limit_val_batches=2 if args.val_every else 0,
         val_check_interval=args.val_every or None,
-        callbacks=[SaveRankState(args.out, logger)],
+        callbacks=[SaveRankState(args.out, logger), *([StopAfter(args.stop_after)] if args.stop_after else [])],
         **{**QUIET, "logger": logger},
     )
     trainer.fit(WideRegression(slow_unless, slow_ms), ckpt_path=args.resume)

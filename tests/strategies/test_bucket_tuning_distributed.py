@@ -98,7 +98,9 @@ def test_every_size_slower_than_the_default_keeps_the_default(tmp_path):
 
 
 def test_a_fit_too_short_to_pay_tuning_back_does_not_tune(tmp_path):
-    dumps = run_fit(tmp_path, "--bucket", "auto", "--slow-unless", "5MB:60", "--max-steps", STEPS - 1)
+    # every step but the 5 MB ones sleeps: stop after 3, the decision is taken before the first
+    command = ("--bucket", "auto", "--slow-unless", "5MB:60", "--max-steps", STEPS - 1, "--stop-after", 3)
+    dumps = run_fit(tmp_path, *command)
     for dump in dumps:
         assert dump["tuning"]["reason"].startswith(f"the fit has {STEPS - 1} optimizer steps left, fewer than 10 x")
         assert dump["tuning"]["bucket_cap_mb"] is None
@@ -120,7 +122,7 @@ def test_comm_hook_auto_keeps_a_hook_only_where_it_is_faster(tmp_path):
 
 def test_accumulation_and_validation_inside_the_tuning_steps(tmp_path):
     """Re-wraps only between optimizer steps, validation runs mid-tuning, and the run still equals the fixed one."""
-    common = ("--accumulate", 2, "--val-every", 6, "--max-steps", STEPS)
+    common = ("--accumulate", 2, "--val-every", 6, "--max-steps", STEPS, "--stop-after", BUDGET + 16)
     dumps = run_fit(tmp_path / "auto", "--bucket", "auto", "--slow-unless", "5MB:60", *common)
     assert_same_on_both_ranks(dumps)
     for dump in dumps:
