@@ -55,7 +55,8 @@ class PerformanceMonitor(Callback):
       nothing overlapped, including the wait for slower ranks; ``comm_overlap_pct`` is the rest, in percent.
     - ``<prefix>/busy_ms``: ``step_ms - comm_exposed_ms``, the time this rank was not waiting for others.
     - ``<prefix>/samples_per_sec``, ``tokens_per_sec``: this rank's throughput. Samples are Lightning's batch size of
-      each batch; tokens are counted by the module's ``tokens_in_batch(batch)`` method if it has one, else as the
+      each batch; tokens are counted by the module's ``tokens_in_batch(batch)`` method if it has one (it must return
+      a Python int: a device tensor would be read on the host every batch), else as the
       number of elements of ``batch[tokens_key]`` when the batch is a mapping holding that key.
     - ``<prefix>/tflops``, ``mfu_pct``: model FLOP/s achieved (forward and backward FLOPs of one sample, counted
       once by ``torch.utils.flop_counter`` on the fit's first batch, times samples per second) and their share of
@@ -177,6 +178,7 @@ class PerformanceMonitor(Callback):
         self._count_tokens: Any = None
         self._automatic = True
         self._stepping = False
+        self._hook_marks_steps = True
         self._logging_step: Any = None
         self._counts_tokens = False
         self._flops_pending = False
@@ -233,6 +235,9 @@ class PerformanceMonitor(Callback):
         self._counts_tokens = self._count_tokens is not None or self.tokens_key is not None
         self._flops_pending = self._flops is not None and self._flops.total is None
         self._automatic = pl_module.automatic_optimization
+        # on_before_optimizer_step fires where, and only where, the optimizer steps; not under a strategy that
+        # accumulates by itself (DeepSpeed), where it fires every micro-batch
+        self._hook_marks_steps = self._automatic and not trainer.strategy.handles_gradient_accumulation
         self._logging_step = compat.training_logging_check(trainer)
         self._timer.start(time.perf_counter())
 
@@ -261,7 +266,7 @@ class PerformanceMonitor(Callback):
         # one span (fwd_bwd_ms), and FLOPs are counted to its end
         if self._timer is None or not self._automatic:
             return
-        self._stepping = True  # the hook runs where, and only where, the optimizer steps
+        self._stepping = True
         if self._flops is not None and self._flops.running:
             self._stop_counting_flops()
         self._timer.optimizer_start()
@@ -276,7 +281,10 @@ class PerformanceMonitor(Callback):
             return
         if self._flops is not None and self._flops.running:
             self._stop_counting_flops()
-        stepped = self._stepping or not self._automatic
+        if self._hook_marks_steps:
+            stepped = self._stepping
+        else:
+            stepped = not (self._automatic and compat.should_accumulate(trainer))
         self._stepping = False
         timer.batch_end(now, stepped)
         if stepped and self._logging_step():

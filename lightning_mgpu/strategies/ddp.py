@@ -247,6 +247,7 @@ class DDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, compa
         self.comm_timer: CommTimer | None = None
         # whether the hook registered is DDP's own reduction, only timed (no compression of ours or Lightning's)
         self.plain_reduction_hook = False
+        self._comm_hook_timed = False
 
     @property
     def ddp_kwargs(self) -> dict[str, Any]:
@@ -374,24 +375,25 @@ class DDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, compa
 
     @property
     def comm_timed(self) -> bool:
-        """Whether the gradient reductions of the wrapped model are timed.
+        """Whether the gradient reductions of the wrapped model are timed: a timed hook was registered on it.
 
-        They are when a ``comm_timer`` is set, no hook of Lightning's is given, and the hook is not PowerSGD (whose
-        buckets all complete with the last one, so per-bucket spans would not say when each was reduced).
+        Not with PowerSGD (its buckets all complete with the last one, so per-bucket spans would not say when each
+        was reduced), a ``ddp_comm_hook`` of Lightning's, or a hook DDP registered itself (``mixed_precision``).
         """
-        hook = self._active_comm_hook
-        if self.comm_timer is None or hook == "powersgd":
-            return False
-        return hook is not None or not compat.lightning_comm_state(self)
+        return self._comm_hook_timed
 
     @override
     def register_own_comm_hook(self) -> bool:
         hook = self._active_comm_hook
-        self.plain_reduction_hook = False
-        if hook is None and (self.comm_timer is None or compat.lightning_comm_state(self)):
-            return False  # Lightning registers its ddp_comm_hook, if one was given
+        self.plain_reduction_hook = self._comm_hook_timed = False
+        timer = self.comm_timer if hook != "powersgd" else None
+        if hook is None and (
+            timer is None or compat.lightning_comm_state(self) or compat.ddp_has_comm_hook(self.model)
+        ):
+            return False  # Lightning registers its ddp_comm_hook, if one was given; or DDP registered its own
         assert isinstance(self.model, DistributedDataParallel)
-        wrap = self.comm_timer.wrap if self.comm_timed and self.comm_timer is not None else None
+        wrap = timer.wrap if timer is not None else None
+        self._comm_hook_timed = wrap is not None
         if hook is None:
             assert wrap is not None
             register_timed_allreduce(self.model, wrap)

@@ -37,6 +37,10 @@ STEP_METRICS: tuple[str, ...] = (
 )
 
 
+# steps kept before the timer sums what it can without waiting for a window to be taken
+PENDING_CAP = 256
+
+
 class HostClock:
     """Marks are ``time.perf_counter()`` readings; every mark is ready at once."""
 
@@ -126,7 +130,7 @@ class CommTimer:
 
             return future.then(finished)
 
-        timed_hook.__name__ = f"timed_{getattr(hook, '__name__', 'hook')}"
+        timed_hook.__name__ = timed_hook.__qualname__ = f"timed_{getattr(hook, '__name__', 'hook')}"
         return timed_hook
 
     def take(self) -> list[tuple[Any, Any]]:
@@ -251,6 +255,8 @@ class StepTimer:
         self._data_wait_ms, self._samples, self._tokens, self._compute, self._optimizer = 0.0, 0, 0, [], None
         if self._steps_seen > self.skip_steps and wall is not None:
             self._pending.append(step)  # summed when the window is taken: the loop's thread does the least here
+            if len(self._pending) > PENDING_CAP:  # no window taken for long (log_every_n_steps=0 or large)
+                self.resolve()
 
     def pause(self, now: float) -> None:
         """Time from the last batch's end to :meth:`resume` belongs to no step (validation inside the fit).
@@ -318,8 +324,8 @@ class StepTimer:
         # on one time axis: milliseconds from the synchronised micro-batch's start (the last one)
         origin = step.compute[-1][0]
         spans = [(ms(origin, start), ms(origin, end)) for start, end in step.comm]
-        totals.comm_steps += 1
-        if spans:
+        if spans:  # a step reduced elsewhere (OOMBackoff's own averaging) says nothing about the reduction
+            totals.comm_steps += 1
             totals.comm_ms += union_ms(spans)
             # backward's compute ends about when its last bucket is handed over
             totals.comm_exposed_ms += exposed_ms(spans, max(start for start, _ in spans))

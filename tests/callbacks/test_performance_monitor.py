@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import default_collate
 
-from lightning_mgpu import PerformanceMonitor
+from lightning_mgpu import PerformanceMonitor, compat
 from lightning_mgpu.utilities.prometheus_exporter import PrometheusExporter
 from lightning_mgpu.utilities.step_timing import STEP_METRICS
 from tests.helpers.processes import REPO, run_script
@@ -137,6 +137,42 @@ def test_manual_optimization_with_two_optimizers_counts_both_models_flops(tmp_pa
     assert "optimizer_ms" not in monitor.last_window  # ...the optimizers stepped inside it
 
 
+def test_the_cheap_logging_check_agrees_with_lightning_on_every_batch(tmp_path):
+    class Compare(pl.Callback):
+        def __init__(self) -> None:
+            self.answers: list[tuple[bool, bool]] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 9:
+                trainer.should_stop = True  # Lightning logs the step that stops training too
+            self.answers.append((compat.training_logging_check(trainer)(), compat.is_logging_step(trainer)))
+
+    compare = Compare()
+    fit(tmp_path, SlowLoaderModel(), compare, max_steps=20, log_every_n_steps=3, accumulate_grad_batches=2)
+    assert [cheap for cheap, _ in compare.answers] == [lightning for _, lightning in compare.answers]
+    assert sum(lightning for _, lightning in compare.answers) >= 4  # some of each
+    assert not all(lightning for _, lightning in compare.answers)
+
+
+def test_a_batch_without_a_size_leaves_throughput_out_not_zero(tmp_path):
+    class Opaque:
+        def __init__(self, x: torch.Tensor) -> None:
+            self.x = x
+
+    class OpaqueBatches(BoringModel):
+        def train_dataloader(self):
+            return DataLoader(RandomDataset(32, 64), batch_size=4, collate_fn=lambda s: Opaque(default_collate(s)))
+
+        def training_step(self, batch, batch_idx):
+            return super().training_step(batch.x, batch_idx)
+
+    monitor = PerformanceMonitor()
+    with pytest.warns(UserWarning, match="cannot tell the batch size"):
+        fit(tmp_path, OpaqueBatches(), monitor)
+    assert "samples_per_sec" not in monitor.last_window and "mfu_pct" not in monitor.last_window
+    assert monitor.last_window["step_ms"] > 0
+
+
 def test_tokens_come_from_the_module_or_the_batch_key(tmp_path):
     class TokenModel(BoringModel):
         def training_step(self, batch, batch_idx):
@@ -195,7 +231,7 @@ def test_two_ranks_log_summaries_and_the_slowed_rank_is_named(tmp_path):
     )
     # the fast rank waited for the slow one after its own backward; the slow rank was busy
     fast, slow = records[0]["last_window"], records[1]["last_window"]
-    assert fast["comm_exposed_ms"] > 20 and slow["comm_exposed_ms"] < 10
+    assert fast["comm_exposed_ms"] > 20 and slow["comm_exposed_ms"] < fast["comm_exposed_ms"] / 2
     assert slow["busy_ms"] > fast["busy_ms"] + 20
     assert records[0]["stragglers"] == [1]
     assert "PerformanceMonitor: rank 1 (" in records["output"] and "is a straggler" in records["output"]
@@ -210,7 +246,7 @@ def test_a_rank_with_a_slow_loader_waits_for_data_and_is_named(tmp_path):
     records = run_fit(tmp_path, *command)
     slow, fast = records[1]["last_window"], records[0]["last_window"]
     assert slow["data_wait_ms"] > 25 and slow["fwd_bwd_ms"] < 20
-    assert fast["data_wait_ms"] < 10 and fast["comm_exposed_ms"] > 20
+    assert fast["data_wait_ms"] < slow["data_wait_ms"] / 2 and fast["comm_exposed_ms"] > 20
     assert records[0]["stragglers"] == [1]
 
 

@@ -45,7 +45,7 @@ def test_cuda_events_give_the_device_figures_without_waiting():
             pending = timer.take_window()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    # ~5 TFLOP of queued products: the events have not completed when the window is taken, nothing waited for them
+    # ~55 TFLOP of queued products: the events have not completed when the window is taken, nothing waited for them
     assert pending.steps == 1 and pending.device_steps == 0
     torch.cuda.synchronize()
     totals = timer.take_window()

@@ -116,6 +116,33 @@ def test_device_marks_not_yet_complete_are_counted_in_a_later_window():
     assert second.steps == 0 and second.device_steps == 1 and second.fwd_bwd_ms == pytest.approx(5)
 
 
+def test_host_figures_are_summed_once_across_partial_resolves():
+    clock = ManualClock()
+    timer = StepTimer(clock, skip_steps=0)
+    timer.start(0.0)
+    end = run_step(timer, clock, 0.0, wait_ms=1, compute_ms=5, opt_ms=1)
+    clock.released_up_to = -math.inf  # nothing on the device has completed
+    end = run_step(timer, clock, end, wait_ms=1, compute_ms=5, opt_ms=1)
+    timer.resolve()  # host sums for both steps, no device figure
+    end = run_step(timer, clock, end, wait_ms=1, compute_ms=5, opt_ms=1)
+    clock.released_up_to = math.inf
+    totals = timer.take_window()
+    assert totals.steps == 3 and totals.wall_ms == pytest.approx(21)  # each step's host figures once
+    assert totals.device_steps == 3 and totals.fwd_bwd_ms == pytest.approx(15)
+
+
+def test_a_step_without_reduction_spans_leaves_the_communication_unknown():
+    # OOMBackoff averages the gradients itself: the timed hook never runs, which says nothing of communication
+    clock = ManualClock()
+    timer = StepTimer(clock, CommTimer(clock), skip_steps=0)
+    timer.start(0.0)
+    run_step(timer, clock, 0.0, wait_ms=1, compute_ms=5, opt_ms=1)
+    figures = window_figures(
+        timer.take_window(), comm_timed=True, multi_process=True, flops_per_sample=None, peak_flops=None
+    )
+    assert math.isnan(figures["comm_ms"]) and math.isnan(figures["busy_ms"])
+
+
 def test_validation_time_belongs_to_no_step():
     clock = ManualClock()
     timer = StepTimer(clock, skip_steps=0)
