@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -147,8 +148,30 @@ def run_recorded_script(script: str | os.PathLike, out: str | os.PathLike, *args
 
     The record gets the run's combined output under ``"output"``.
     """
+    started = time.time()
     result = run_script(str(script), "--out", out, *args, timeout=timeout)
-    assert not result["hung"] and result["rc"] == 0, result["output"][-4000:]
-    record = torch.load(os.path.join(out, "result.pt"), weights_only=False)
+    record_path = os.path.join(out, "result.pt")
+    if not result["hung"] and result["rc"] != 0 and aborted_at_exit_after_finishing(result, record_path, started):
+        warnings.warn(f"ignored an abort at interpreter exit after the fit finished: {script}", RuntimeWarning, 2)
+    else:
+        assert not result["hung"] and result["rc"] == 0, result["output"][-4000:]
+    record = torch.load(record_path, weights_only=False)
     record["output"] = result["output"]
     return record
+
+
+EXIT_ABORT = "terminate called without an active exception"
+
+
+def aborted_at_exit_after_finishing(result: dict, record_path: str | os.PathLike, started: float) -> bool:
+    """Whether a script's only failure was gloo's abort in interpreter teardown, after its fit wrote its record.
+
+    Under FSDP the gloo process groups' worker threads outlive ``destroy_process_group`` (under DDP they end there),
+    and rarely one of them aborts the process as the interpreter tears down (once in a CI run of some 150 such fits,
+    never in 100 local runs): exit status -6 (SIGABRT) after the last line of a finished fit. The record the test
+    checks is complete by then; anything else (another status, another message, no fresh record) is a failure.
+    """
+    lines = [line for line in result["output"].strip().splitlines() if line.strip()]
+    tail_is_abort = bool(lines) and lines[-1].strip() == EXIT_ABORT
+    fresh = os.path.isfile(record_path) and os.path.getmtime(record_path) >= started - 1
+    return result["rc"] in (-signal.SIGABRT, 128 + signal.SIGABRT) and tail_is_abort and fresh
