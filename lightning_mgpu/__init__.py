@@ -32,6 +32,7 @@ _EXPORTS: dict[str, str] = {
     "OOMBackoff": "lightning_mgpu.callbacks",
     "OOMRecoveryError": "lightning_mgpu.callbacks",
     "PerformanceMonitor": "lightning_mgpu.callbacks",
+    "RollbackLimitError": "lightning_mgpu.callbacks",
     "SingleDeviceStrategy": "lightning_mgpu.strategies",
     "StrategyChoice": "lightning_mgpu.strategies",
     "StragglerWarning": "lightning_mgpu.callbacks",
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
         OOMBackoff,
         OOMRecoveryError,
         PerformanceMonitor,
+        RollbackLimitError,
         StragglerWarning,
     )
     from lightning_mgpu.strategies import (
@@ -117,6 +119,7 @@ __all__ = [
     "OOMBackoff",
     "OOMRecoveryError",
     "PerformanceMonitor",
+    "RollbackLimitError",
     "SingleDeviceStrategy",
     "StragglerWarning",
     "StrategyChoice",

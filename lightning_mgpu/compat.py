@@ -613,6 +613,23 @@ def supports_amp_scaling(optimizer: Optimizer) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
+def grad_scaler_scale(scaler: Any) -> Tensor | None:
+    """A ``GradScaler``'s loss scale as its device tensor, or ``None`` before its first ``scale()``.
+
+    ``get_scale()`` would read it on the host (torch 2.13's ``_scale``).
+    """
+    return getattr(scaler, "_scale", None)
+
+
+def grad_scaler_tensors(scaler: Any) -> list[Tensor]:
+    """The device tensors a ``GradScaler``'s state lives in: its scale and growth tracker, once it has scaled.
+
+    torch 2.13's ``_scale`` and ``_growth_tracker``, ``None`` until the first ``scale()``.
+    """
+    found = [getattr(scaler, name, None) for name in ("_scale", "_growth_tracker")]
+    return [t for t in found if isinstance(t, Tensor)]
+
+
 # --------------------------------------------------------------------------------------------- torchmetrics names
 def metric_progress(metric: Metric) -> tuple[int, Any]:
     """A metric's update count and cached ``compute()`` result (torchmetrics 1.9)."""

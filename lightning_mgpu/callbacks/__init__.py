@@ -3,7 +3,7 @@
 from lightning_mgpu.callbacks.batch_size_search import BatchSizeSearch
 from lightning_mgpu.callbacks.gpu_memory_monitor import GPUMemoryMonitor, MemoryHeadroomWarning
 from lightning_mgpu.callbacks.gradient_clipping import GradientClipping
-from lightning_mgpu.callbacks.nan_skip import NaNSkip, NonFiniteStepsError
+from lightning_mgpu.callbacks.nan_skip import NaNSkip, NonFiniteStepsError, RollbackLimitError
 from lightning_mgpu.callbacks.oom_backoff import OOMBackoff, OOMRecoveryError
 from lightning_mgpu.callbacks.performance_monitor import PerformanceMonitor, StragglerWarning
 
@@ -17,5 +17,6 @@ __all__ = [
     "OOMBackoff",
     "OOMRecoveryError",
     "PerformanceMonitor",
+    "RollbackLimitError",
     "StragglerWarning",
 ]

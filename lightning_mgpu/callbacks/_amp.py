@@ -4,6 +4,8 @@ import lightning.pytorch as pl
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_mgpu import compat
+
 
 def unscale_gradients(trainer: "pl.Trainer", optimizer: Optimizer) -> None:
     """Unscale ``optimizer``'s gradients in place if a GradScaler scaled them and has not unscaled them yet.
@@ -38,3 +40,17 @@ def params_to_step(trainer: "pl.Trainer", optimizer: Optimizer) -> list[Tensor]:
     """
     unscale_gradients(trainer, optimizer)
     return [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+
+def loss_scale(trainer: "pl.Trainer") -> Tensor | None:
+    """The GradScaler's current loss scale as a device tensor (no host read), or ``None`` when no scaler is on.
+
+    The loss ``on_before_backward`` receives under ``precision="16-mixed"`` is already multiplied by it.
+
+    Args:
+        trainer: the trainer, whose precision plugin may hold a ``scaler``.
+    """
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return None
+    return compat.grad_scaler_scale(scaler)

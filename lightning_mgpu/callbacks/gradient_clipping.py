@@ -1,5 +1,6 @@
 """Gradient clipping by norm, by value, unit-wise adaptive (AGC) or against running norm statistics (z-score)."""
 
+import copy
 import fnmatch
 from collections.abc import Sequence
 from typing import Any, Literal, get_args
@@ -21,6 +22,7 @@ from lightning_mgpu.callbacks._logging import (
     has_progress_bar,
     show_in_progress_bar,
 )
+from lightning_mgpu.callbacks._step_verdict import clear_step_verdicts, step_is_bad
 from lightning_mgpu.utilities.clip_grad import (
     GradNormStatistics,
     adaptive_clip_grads_,
@@ -257,8 +259,15 @@ class GradientClipping(Callback):
             scale_grads_(grads, torch.clamp(self.options["max_norm"] / (norm + 1e-6), max=1.0))
             return norm, None
         if self.mode == "zscore":
+            # NaNSkip's verdict, taken now if it has not been (before these gradients are scaled)
+            skipped = step_is_bad(optimizer, params, step)
             return zscore_clip_grads_(
-                grads, self.statistics, self.options["z_threshold"], self.options["warmup_steps"], norm=norm
+                grads,
+                self.statistics,
+                self.options["z_threshold"],
+                self.options["warmup_steps"],
+                norm=norm,
+                skipped=skipped,
             )
         if self.mode == "value":
             torch.nn.utils.clip_grad_value_(params, self.options["clip_value"])
@@ -270,6 +279,14 @@ class GradientClipping(Callback):
     @override
     def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         clear_gradient_norms()  # new gradients: norms cached for an earlier backward are stale
+        clear_step_verdicts()
+
+    def _rollback_state(self) -> GradNormStatistics:
+        """What NaNSkip's rollback saves of this callback (a copy of the z-score statistics)."""
+        return copy.deepcopy(self.statistics)
+
+    def _load_rollback_state(self, statistics: GradNormStatistics) -> None:
+        self.statistics = statistics
 
     @override
     def state_dict(self) -> dict[str, Any]:

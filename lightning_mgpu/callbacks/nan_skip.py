@@ -1,32 +1,50 @@
-"""Skip optimizer steps whose loss or gradients are NaN or Inf, the same way on every rank."""
+"""Skip optimizer steps whose loss or gradients are NaN or Inf, or spike, the same way on every rank."""
 
+import functools
 import math
 from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mgpu import compat
-from lightning_mgpu.callbacks._amp import params_to_step
+from lightning_mgpu.callbacks._amp import loss_scale, params_to_step
 from lightning_mgpu.callbacks._grad_norms import clear_gradient_norms, gradient_norms
 from lightning_mgpu.callbacks._logging import (
     has_progress_bar,
     show_in_progress_bar,
 )
+from lightning_mgpu.callbacks._step_verdict import (
+    clear_step_verdicts,
+    register_step_decider,
+    step_is_bad,
+    unregister_step_decider,
+)
+from lightning_mgpu.utilities.spike_window import SpikeWindow
 from lightning_mgpu.utilities.training_events import EventLog
-from lightning_mgpu.utilities.validation import check_bool, check_choice, check_int
+from lightning_mgpu.utilities.training_snapshot import TrainingSnapshot
+from lightning_mgpu.utilities.validation import check_bool, check_choice, check_int, check_positive
 
 CheckTarget = Literal["loss", "grads", "both"]
 CHECK_TARGETS: tuple[str, ...] = get_args(CheckTarget)
+SpikeTarget = Literal["loss", "grad_norm", "both"]
+SPIKE_TARGETS: tuple[str, ...] = get_args(SpikeTarget)
+SpikeAction = Literal["skip", "rollback"]
+SPIKE_ACTIONS: tuple[str, ...] = get_args(SpikeAction)
 
 
 class NonFiniteStepsError(RuntimeError):
     """Raised by :class:`NaNSkip` when ``max_consecutive`` optimizer steps in a row were not finite."""
+
+
+class RollbackLimitError(RuntimeError):
+    """Raised by :class:`NaNSkip` on every rank when a bad step would exceed ``max_rollbacks``."""
 
 
 class NaNSkip(Callback):
@@ -38,6 +56,39 @@ class NaNSkip(Callback):
 
     A gradient counts as non-finite when its fp32 2-norm is: when an element is NaN or Inf, and also when the norm
     overflows (above about 1e19), a step no optimizer should take either.
+
+    Spikes (``spike_zscore``, off by default): a step whose loss or global gradient norm (``spike_on``) is more than
+    ``spike_zscore`` standard deviations above its rolling window of the last ``spike_window`` accepted values counts
+    as bad, exactly like a non-finite step: skipped the same way, counted in ``skipped_steps`` (and in
+    ``spiked_steps``), and limited by ``max_consecutive``. The test starts once the window holds
+    ``max(20, spike_window // 2)`` values (all of them for a window shorter than 20). The window never takes in a
+    non-finite value or a skipped step's. Everything is decided on the device:
+
+    - the gradient norm is the global one, after DDP's all-reduce (or over every FSDP shard): the same on every
+      rank, so every rank decides alike; each optimizer has its own window;
+    - the loss is each rank's own (divided by the loss scale under ``16-mixed``), tested at every micro-batch against
+      that rank's window of micro-batch losses; a rank whose loss spikes turns its backward pass into NaN, as for a
+      NaN loss, so every rank skips the step. The loss window in a checkpoint is rank 0's; the others resume with it.
+      Under manual optimization the loss is not tested (several backward passes for several optimizers may share a
+      batch), only the gradient norms.
+
+    The decision is the one source of "this step is bad" for the pack's other callbacks: GradientClipping's z-score
+    statistics leave out exactly the steps NaNSkip skips, in either callback order.
+
+    Rollback (``spike_action="rollback"``): every ``snapshot_every`` optimizer steps (and at the start of training)
+    an in-memory snapshot is taken of the parameters, buffers, optimizer states and param-group settings, the LR
+    schedulers, the GradScaler and the pack's callback statistics (spike windows, GradientClipping's z-score
+    statistics). On CUDA it is copied into pinned host memory with non-blocking copies on a side stream (no host
+    sync; the training stream waits for them on the device before the next batch); it holds one copy of the
+    parameters, buffers and optimizer states in host memory, printed at the first snapshot. At the end of a batch
+    whose step was bad (a spike or a non-finite step: the verdict is the same on every rank, where the cause may
+    not be), every rank puts the snapshot back, so the batches since the snapshot, the bad one included, are dropped
+    from training; the loader carries on with the next batch, the data order otherwise kept. ``global_step`` and
+    ``max_steps`` keep counting the dropped steps. Each rollback gets an info line, a ``rollback`` event and the
+    ``rollbacks`` count; the ``max_rollbacks + 1``-th raises :class:`RollbackLimitError` on every rank. The
+    verdict is read on the host once per step (free on the CPU; with a fused optimizer on CUDA, where the skip
+    itself needs no read, it is one synchronisation per step). Not with ``precision="16-mixed"``, whose loss-scale
+    overflows would each roll back.
 
     Every rank takes the same decision without an extra collective: a non-finite gradient on any rank is
     non-finite on all of them after DDP's gradient all-reduce, and a rank whose loss is not finite turns its
@@ -57,8 +108,9 @@ class NaNSkip(Callback):
     - learning-rate schedulers, ``global_step`` and ``max_steps`` still advance on a skipped step, as they do on a
       step GradScaler skips.
 
-    Logged key, on the steps Lightning's loggers write (every ``log_every_n_steps``; a ``self.log`` call costs about
-    0.6 ms on CPU): ``skipped_steps`` (count, total since the start of training). A summary is
+    Logged keys, on the steps Lightning's loggers write (every ``log_every_n_steps``; a ``self.log`` call costs about
+    0.6 ms on CPU): ``skipped_steps`` (count, total since the start of training) and, with spike detection on,
+    ``spiked_steps`` (the part of them skipped for a spike). A summary is
     printed on rank 0 at the end of ``fit``. The counters are saved in checkpoints.
 
     One info line is printed on rank 0 when a step is skipped, as soon as it is known on the host without an extra
@@ -80,16 +132,27 @@ class NaNSkip(Callback):
             naming the step and the first non-finite tensor; ``None`` for no limit.
         log_skipped: log ``skipped_steps``.
         progress_bar: show ``skipped`` in the progress bar.
+        spike_zscore: standard deviations above the window's mean that make a loss or gradient norm a spike;
+            ``None`` (the default) turns spike detection off. OLMo-core uses 6.
+        spike_window: how many accepted values the rolling window holds.
+        spike_on: ``"loss"``, ``"grad_norm"`` or ``"both"``: which values are tested for spikes.
+        spike_action: ``"skip"`` the bad step, or ``"rollback"`` to the last snapshot.
+        snapshot_every: ``rollback``: optimizer steps between snapshots.
+        max_rollbacks: ``rollback``: rollbacks allowed over the whole run; ``None`` for no limit.
 
     Raises:
-        TypeError: a ``check`` that is not a string, a ``max_consecutive`` that is not an int or None, or a
+        TypeError: a ``check`` or ``spike_on`` that is not a string, a ``max_consecutive`` or ``spike_window`` that is
+            not an int (or None where allowed), a ``spike_zscore`` that is not a number or None, or a
             ``log_skipped`` or ``progress_bar`` that is not a bool.
-        ValueError: an unknown ``check`` or a ``max_consecutive`` below 1.
+        ValueError: an unknown ``check`` or ``spike_on``, a ``max_consecutive`` below 1, a ``spike_zscore`` that is
+            not positive, or a ``spike_window`` below 2.
         NonFiniteStepsError: during ``fit``, see ``max_consecutive``.
+        RollbackLimitError: during ``fit``, see ``max_rollbacks``.
+        MisconfigurationException: at setup, ``spike_action="rollback"`` with ``precision="16-mixed"``.
 
     Example::
 
-        trainer = Trainer(callbacks=[NaNSkip(check="both", max_consecutive=25)])
+        trainer = Trainer(callbacks=[NaNSkip(check="both", max_consecutive=25, spike_zscore=6.0)])
     """
 
     def __init__(
@@ -98,22 +161,55 @@ class NaNSkip(Callback):
         max_consecutive: int | None = 25,
         log_skipped: bool = True,
         progress_bar: bool = True,
+        spike_zscore: float | None = None,
+        spike_window: int = 128,
+        spike_on: SpikeTarget = "both",
+        spike_action: SpikeAction = "skip",
+        snapshot_every: int = 50,
+        max_rollbacks: int | None = 5,
     ):
         owner = type(self).__name__
         check_choice(owner, "check", check, CHECK_TARGETS)
         check_int(owner, "max_consecutive", max_consecutive, minimum=1, allow_none=True, hint="use None for no limit")
         check_bool(owner, "log_skipped", log_skipped)
         check_bool(owner, "progress_bar", progress_bar)
+        check_positive(owner, "spike_zscore", spike_zscore, allow_none=True, hint="use None to turn spikes off")
+        check_int(owner, "spike_window", spike_window, minimum=2)
+        check_choice(owner, "spike_on", spike_on, SPIKE_TARGETS)
+        check_choice(owner, "spike_action", spike_action, SPIKE_ACTIONS)
+        check_int(owner, "snapshot_every", snapshot_every, minimum=1)
+        check_int(owner, "max_rollbacks", max_rollbacks, minimum=1, allow_none=True, hint="use None for no limit")
         self.check = check
         self.max_consecutive = max_consecutive
         self.log_skipped = log_skipped
         self.progress_bar = progress_bar
+        self.spike_zscore = spike_zscore
+        self.spike_window = spike_window
+        self.spike_on = spike_on
+        self.spike_action = spike_action
+        self.snapshot_every = snapshot_every
+        self.max_rollbacks = max_rollbacks
+        self.rollbacks = 0
+        self._rollback: TrainingSnapshot | None = None
+        self._rollback_due: int | None = None  # the global step of a bad step, until its batch ends
+        self._loss_window: SpikeWindow | None = None
+        self._norm_windows: list[SpikeWindow] = []  # one per optimizer, in trainer.optimizers' order
+        if spike_zscore is not None and spike_on != "grad_norm":
+            self._loss_window = SpikeWindow(rows=1, size=spike_window, zscore=spike_zscore)
+        self._optimizer_index: dict[int, int] = {}
+        self._stepped = False  # an optimizer step ran in this batch
+        self._memory_reported = False
+        self._spiked = torch.zeros((), dtype=torch.long)
+        self._loss_spike: Tensor | None = None  # a micro-batch's loss of this step spiked
+        self._norm_spike: Tensor | None = None
+        self._step_losses: list[Tensor] = []
         self.optimizer_steps = 0
         self._skipped = torch.zeros((), dtype=torch.long)
         self._consecutive = torch.zeros((), dtype=torch.long)
         # what the last skipped step saw, for the error message: kept on the device, read only when raising
         self._last_bad_norms: Tensor | None = None
         self._last_bad_loss = torch.zeros((), dtype=torch.bool)
+        self._last_bad_spike = torch.zeros((), dtype=torch.bool)
         self._last_bad_ids: tuple[int, ...] = ()
         self._found_inf: Tensor | None = None
         self._loss_bad: Tensor | None = None
@@ -135,15 +231,29 @@ class NaNSkip(Callback):
         """Optimizer steps skipped so far (reads the device)."""
         return int(self._skipped)
 
+    @property
+    def spiked_steps(self) -> int:
+        """Optimizer steps skipped for a spike this rank saw (reads the device)."""
+        return int(self._spiked)
+
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         compat.check_lightning_internals(trainer, type(self).__name__)
         self._distributed = trainer.world_size > 1
+        if self.spike_action == "rollback" and getattr(trainer.precision_plugin, "scaler", None) is not None:
+            raise MisconfigurationException(
+                f"{type(self).__name__}(spike_action='rollback') cannot run with precision='16-mixed': every "
+                "loss-scale overflow the GradScaler skips would roll training back. Use precision='bf16-mixed', or "
+                "spike_action='skip'."
+            )
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         device = pl_module.device
         self._skipped = self._skipped.to(device)
+        self._spiked = self._spiked.to(device)
+        self._loss_spike = self._norm_spike = None
+        self._step_losses = []
         self._consecutive = self._consecutive.to(device)
         self._last_bad_loss = self._last_bad_loss.to(device)
         self._last_bad_norms = None
@@ -163,9 +273,31 @@ class NaNSkip(Callback):
             for buffer in module.buffers()
         ]
         self._snapshot = None
+        clear_step_verdicts()
+        self._optimizer_index = {id(optimizer): i for i, optimizer in enumerate(trainer.optimizers)}
+        self._last_bad_spike = self._last_bad_spike.to(device)
+        self._stepped = False
+        self._memory_reported = False
+        self._rollback_due = None
+        self._rollback = None
+        if self.spike_action == "rollback":
+            self._rollback = TrainingSnapshot(
+                pl_module,
+                trainer.optimizers,
+                [config.scheduler for config in trainer.lr_scheduler_configs],
+                getattr(trainer.precision_plugin, "scaler", None),
+                extra=functools.partial(self._state_to_roll_back, trainer),
+                restore_extra=functools.partial(self._roll_state_back, trainer),
+            )
         for optimizer in trainer.optimizers:
             # found_inf is an argument of one step only; GradScaler removes the one it sets itself
             self._hooks.append(optimizer.register_step_post_hook(self._drop_found_inf))
+            register_step_decider(optimizer, self._decide)
+
+    @override
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._rollback is not None:
+            self._rollback.take(trainer.global_step)
 
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int):
@@ -175,24 +307,36 @@ class NaNSkip(Callback):
 
     @override
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
-        if self.check == "grads":
-            return
-        finite = torch.isfinite(loss.detach()).all()
-        self._loss_bad = ~finite if self._loss_bad is None else self._loss_bad | ~finite
-        if self._distributed and loss.requires_grad:
-            poison = torch.where(finite, 1.0, math.nan)
+        bad: Tensor | None = None
+        if self.check != "grads":
+            bad = ~torch.isfinite(loss.detach()).all()
+            self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
+        # manual optimization may run several backward passes for several optimizers per batch: their losses are not
+        # one series, and a flag could not be told apart per optimizer; the gradient norms are tested there
+        if self._loss_window is not None and pl_module.automatic_optimization:
+            value = self._measured_loss(trainer, pl_module, loss).view(1)
+            spike = self._loss_window.is_spike(value)[0]
+            self._loss_spike = spike if self._loss_spike is None else self._loss_spike | spike
+            self._step_losses.append(value)
+            bad = spike if bad is None else bad | spike
+        if bad is not None and self._distributed and loss.requires_grad:
+            # the other ranks learn of this rank's bad loss through DDP's gradient all-reduce
+            poison = torch.where(bad, math.nan, 1.0)
             loss.register_hook(lambda grad: grad * poison.to(grad.dtype))
 
     @override
     def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         clear_gradient_norms()  # new gradients: norms cached for an earlier backward (LBFGS, resumes) are stale
+        clear_step_verdicts()
 
     @override
     def on_before_optimizer_step(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Optimizer
     ) -> None:
         params = params_to_step(trainer, optimizer)
-        bad = self._flag(optimizer, params, trainer.global_step)
+        bad = step_is_bad(optimizer, params, trainer.global_step)
+        if bad is None:  # an optimizer built after fit started
+            bad = self._decide(optimizer, params, trainer.global_step)
         self._count(bad)
         self.optimizer_steps += 1
         on_device = _skips_on_device(optimizer, trainer, params)
@@ -210,12 +354,20 @@ class NaNSkip(Callback):
                 param.grad = None
             self._restore_buffers(None)
             self._report_skip(trainer.global_step, *self._cause())
+        if self._rollback is not None and self._rollback_due is None and bool(bad):
+            self._rollback_due = trainer.global_step
+        self._stepped = True
         self._snapshot = None
-        self._loss_bad = None
+        self._loss_bad = self._loss_spike = self._norm_spike = None
+        self._step_losses = []
         if not compat.is_logging_step(trainer):
             return
         if self.log_skipped:
             pl_module.log("skipped_steps", self._skipped.float(), on_step=True, on_epoch=False)
+            if self.spike_zscore is not None:
+                pl_module.log("spiked_steps", self._spiked.float(), on_step=True, on_epoch=False)
+            if self._rollback is not None:
+                pl_module.log("rollbacks", float(self.rollbacks), on_step=True, on_epoch=False)
         # read at the end of the batch, once the optimizer step is queued, not before it
         self._bar_due = self.progress_bar and has_progress_bar(trainer)
         # a fused optimizer's skips are read only where the count is read anyway (a logger writes it, the bar shows
@@ -228,6 +380,8 @@ class NaNSkip(Callback):
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._rollback is not None:
+            self._snapshot_or_roll_back(trainer, self._rollback)
         if not (self._bar_due or self._report_due):
             return
         skipped = self.skipped_steps  # one device read, on a logging step
@@ -247,6 +401,11 @@ class NaNSkip(Callback):
         """What tripped, short and long; read only when a step is skipped (the flag was just read on the host)."""
         if self._loss_bad is not None and bool(self._loss_bad):
             return "NaN/Inf loss", "the loss is NaN or Inf"
+        spiked_by = f"more than {self.spike_zscore} standard deviations above its recent mean"
+        if self._loss_spike is not None and bool(self._loss_spike):
+            return "loss spike", f"the loss spiked ({spiked_by})"
+        if self._norm_spike is not None and bool(self._norm_spike):
+            return "gradient-norm spike", f"the gradient norm spiked ({spiked_by})"
         if self._distributed and self.check != "grads":
             return "NaN/Inf gradients", (
                 "NaN or Inf gradients (after the all-reduce: this rank's gradients, or another rank's loss)"
@@ -283,6 +442,92 @@ class NaNSkip(Callback):
         if self._found_inf is not None and optimizer.__dict__.get("found_inf") is self._found_inf:
             del optimizer.found_inf
 
+    def _snapshot_or_roll_back(self, trainer: "pl.Trainer", snapshot: TrainingSnapshot) -> None:
+        """At a batch's end (its optimizer and LR-scheduler steps done): roll back after a bad step, else snapshot."""
+        stepped, self._stepped = self._stepped, False
+        if self._rollback_due is not None:
+            bad_step, self._rollback_due = self._rollback_due, None
+            self._roll_back(bad_step, snapshot)
+            return
+        if not stepped:  # a micro-batch of gradient accumulation: the step is not done
+            return
+        last = snapshot.step if snapshot.step is not None else trainer.global_step
+        # a new snapshot every snapshot_every steps, or at once where the optimizers' parameters changed since
+        if trainer.global_step - last >= self.snapshot_every or not snapshot.matches():
+            snapshot.take(trainer.global_step)
+            if not self._memory_reported:  # now that the optimizer states exist
+                self._memory_reported = True
+                rank_zero_info(
+                    f"{type(self).__name__}: rollback snapshots every {self.snapshot_every} optimizer steps hold "
+                    f"{snapshot.nbytes / 2**20:.1f} MB of host memory per process."
+                )
+
+    def _roll_back(self, bad_step: int, snapshot: TrainingSnapshot) -> None:
+        if self.max_rollbacks is not None and self.rollbacks >= self.max_rollbacks:
+            raise RollbackLimitError(
+                f"{type(self).__name__}: the bad optimizer step {bad_step + 1} would be rollback number "
+                f"{self.rollbacks + 1}, over max_rollbacks={self.max_rollbacks}. Training keeps going bad: lower the "
+                "learning rate, look at the data around these steps, or raise max_rollbacks."
+            )
+        self.rollbacks += 1
+        saved = snapshot.restore()
+        dropped = f"steps {saved + 1}-{bad_step + 1}" if bad_step > saved else f"step {bad_step + 1}"
+        self.events.record(bad_step, "rollback", f"to step {saved}: {dropped} dropped")
+        rank_zero_info(
+            f"{type(self).__name__}: optimizer step {bad_step + 1} was bad: rolled back to the state after step "
+            f"{saved}, dropping {dropped}; {self.rollbacks} rollback(s) so far"
+            + (f" of at most {self.max_rollbacks}." if self.max_rollbacks is not None else ".")
+        )
+
+    def _state_to_roll_back(self, trainer: "pl.Trainer") -> dict[str, Any]:
+        """The statistics a rollback puts back: the spike windows, and the other pack callbacks' (deep-copied)."""
+        others = [cb._rollback_state() for cb in trainer.callbacks if hasattr(cb, "_load_rollback_state")]
+        return {"windows": (self._loss_window, self._norm_windows), "others": others}
+
+    def _roll_state_back(self, trainer: "pl.Trainer", state: dict[str, Any]) -> None:
+        self._loss_window, self._norm_windows = state["windows"]
+        callbacks = [cb for cb in trainer.callbacks if hasattr(cb, "_load_rollback_state")]
+        for callback, saved in zip(callbacks, state["others"], strict=True):
+            callback._load_rollback_state(saved)
+
+    def _measured_loss(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> Tensor:
+        """The micro-batch's loss as the user computed it: unscaled, and not divided for gradient accumulation."""
+        value = loss.detach().float().mean()
+        scale = loss_scale(trainer)
+        if scale is not None:
+            value = value / scale.to(value.device)
+        return value * trainer.accumulate_grad_batches  # Lightning divided it by the accumulation before this hook
+
+    def _norm_window(self, optimizer: Optimizer) -> SpikeWindow | None:
+        """The gradient-norm window of ``optimizer`` (each optimizer's norms have their own scale), if spikes are on."""
+        if self.spike_zscore is None or self.spike_on == "loss":
+            return None
+        index = self._optimizer_index.get(id(optimizer), len(self._optimizer_index))
+        while len(self._norm_windows) <= index:
+            self._norm_windows.append(SpikeWindow(rows=1, size=self.spike_window, zscore=self.spike_zscore))
+        return self._norm_windows[index]
+
+    def _decide(self, optimizer: Optimizer, params: list[Tensor], step: int) -> Tensor:
+        """This optimizer step's verdict (true: skip it), on the device; the windows take in a step it accepts."""
+        bad = self._flag(optimizer, params, step)
+        spiked = torch.zeros((), dtype=torch.bool, device=bad.device)
+        if self._loss_spike is not None:
+            spiked = spiked | self._loss_spike.to(bad.device)
+        norm: Tensor | None = None
+        window = self._norm_window(optimizer)
+        if window is not None and params:
+            norm = torch.linalg.vector_norm(gradient_norms(optimizer, params, step).to(bad.device)).view(1)
+            self._norm_spike = window.is_spike(norm)[0]
+            spiked = spiked | self._norm_spike
+        bad = bad | spiked
+        self._spiked = self._spiked + (spiked & bad).long()
+        self._last_bad_spike = torch.where(bad, spiked, self._last_bad_spike.to(bad.device))
+        if self._loss_window is not None and self._step_losses:
+            self._loss_window.update_many(self._step_losses, ~bad)
+        if norm is not None and window is not None:
+            window.update(norm, ~bad)
+        return bad
+
     def _flag(self, optimizer: Optimizer, params: list[Tensor], step: int) -> Tensor:
         device = self._skipped.device
         bad = torch.zeros((), dtype=torch.bool, device=device)
@@ -318,21 +563,27 @@ class NaNSkip(Callback):
         consecutive = int(self._consecutive) if lagged is None else lagged
         if self.max_consecutive is None or consecutive < self.max_consecutive:
             return
-        culprit = "the loss" if bool(self._last_bad_loss) else "a gradient"
-        if not bool(self._last_bad_loss) and self._last_bad_norms is not None:
+        culprit = "the first non-finite tensor was " + ("the loss" if bool(self._last_bad_loss) else "a gradient")
+        if bool(self._last_bad_spike):
+            culprit = "the loss or the gradient norm spiked"
+        elif not bool(self._last_bad_loss) and self._last_bad_norms is not None:
             first = int((~torch.isfinite(self._last_bad_norms)).int().argmax())
-            culprit = f"the gradient of {self._names.get(self._last_bad_ids[first], '?')!r}"
+            culprit = (
+                f"the first non-finite tensor was the gradient of {self._names.get(self._last_bad_ids[first], '?')!r}"
+            )
+        spikes = " or spikes" if self.spike_zscore is not None else ""
         raise NonFiniteStepsError(
-            f"{type(self).__name__}: {consecutive} optimizer steps in a row had NaN or Inf values "
+            f"{type(self).__name__}: {consecutive} optimizer steps in a row had NaN or Inf values{spikes} "
             f"(max_consecutive={self.max_consecutive}); the last at global step {trainer.global_step}, where "
-            f"the first non-finite tensor was {culprit}."
+            f"{culprit}."
         )
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         rank_zero_info(
             f"{type(self).__name__}: skipped {self.skipped_steps} of {self.optimizer_steps} optimizer steps "
-            "for NaN or Inf values."
+            f"for NaN or Inf values{' or spikes' if self.spike_zscore is not None else ''}"
+            + (f"; {self.rollbacks} rollback(s)." if self.spike_action == "rollback" else ".")
         )
 
     @override
@@ -344,19 +595,29 @@ class NaNSkip(Callback):
         self._remove_hooks(trainer)  # Lightning does not call teardown after an exception
 
     def _remove_hooks(self, trainer: "pl.Trainer") -> None:
+        self._rollback = None  # the snapshot's host memory goes with it
+        self._rollback_due = None
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
         for optimizer in trainer.optimizers:
             self._drop_found_inf(optimizer)
+            unregister_step_decider(optimizer, self._decide)
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state: dict[str, Any] = {
             "skipped_steps": int(self._skipped),
             "consecutive": int(self._consecutive),
             "optimizer_steps": self.optimizer_steps,
+            "spiked_steps": int(self._spiked),
+            "rollbacks": self.rollbacks,
         }
+        if self._loss_window is not None:
+            state["loss_window"] = self._loss_window.state_dict()
+        if self._norm_windows:
+            state["grad_norm_windows"] = [window.state_dict() for window in self._norm_windows]
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -364,6 +625,16 @@ class NaNSkip(Callback):
         self._reported = int(self._skipped)  # reported by the run that saved them
         self._consecutive = torch.tensor(int(state_dict.get("consecutive", 0)), device=self._consecutive.device)
         self.optimizer_steps = int(state_dict.get("optimizer_steps", 0))
+        self._spiked = torch.tensor(int(state_dict.get("spiked_steps", 0)), device=self._spiked.device)
+        self.rollbacks = int(state_dict.get("rollbacks", 0))
+        if self._loss_window is not None and "loss_window" in state_dict:
+            self._loss_window.load_state_dict(state_dict["loss_window"])
+        if self.spike_zscore is not None and self.spike_on != "loss":
+            self._norm_windows = []
+            for saved in state_dict.get("grad_norm_windows", []):
+                window = SpikeWindow(rows=1, size=self.spike_window, zscore=self.spike_zscore)
+                window.load_state_dict(saved)
+                self._norm_windows.append(window)
 
 
 def _skips_on_device(optimizer: Optimizer, trainer: "pl.Trainer", params: list[Tensor]) -> bool:

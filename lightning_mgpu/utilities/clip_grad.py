@@ -187,11 +187,12 @@ def zscore_clip_grads_(
     warmup_steps: int,
     norm_type: float = 2.0,
     norm: Tensor | None = None,
+    skipped: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Clip ``grads`` to ``mean + z * std`` of recent total norms once ``warmup_steps`` norms have been seen.
 
-    The statistics are then updated with the norm after clipping, so that one spike does not inflate them. Whether
-    warm-up is over is decided on the device too.
+    The statistics are then updated with the norm after clipping, so that one spike does not inflate them, unless
+    the step is ``skipped``. Whether warm-up is over is decided on the device too.
 
     Args:
         grads: the gradients.
@@ -200,6 +201,7 @@ def zscore_clip_grads_(
         warmup_steps: finite norms to gather before clipping starts.
         norm_type: the p of the p-norm.
         norm: the gradients' total norm if the caller has it already.
+        skipped: a boolean tensor, true when the step will be skipped: its norm stays out of the statistics.
 
     Returns:
         The total norm before clipping, and the threshold applied (``inf`` during warm-up).
@@ -217,5 +219,8 @@ def zscore_clip_grads_(
     )
     scale_grads_(grads, coefficient)
     # a non-finite norm must stay non-finite here, or min(inf, threshold) would enter the statistics
-    stats.update(torch.where(torch.isfinite(norm), torch.minimum(norm, threshold), norm))
+    observed = torch.where(torch.isfinite(norm), torch.minimum(norm, threshold), norm)
+    if skipped is not None:
+        observed = torch.where(skipped, math.nan, observed)
+    stats.update(observed)
     return norm, threshold

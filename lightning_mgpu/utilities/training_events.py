@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-EventKind = Literal["oom_backoff", "skipped_steps", "validation", "stage", "headroom_warning", "straggler"]
+EventKind = Literal["oom_backoff", "skipped_steps", "rollback", "validation", "stage", "headroom_warning", "straggler"]
 EVENT_KINDS: tuple[str, ...] = get_args(EventKind)
 _COLUMNS = ("step", "time_s", "kind", "detail")
 

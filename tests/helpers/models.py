@@ -49,15 +49,20 @@ class BatchNormClassifier(pl.LightningModule):
         lr: float = 0.1,
         optimizer: str = "sgd",
         inject: tuple[str, int, int] | None = None,
-        drop_step: int | None = None,
+        drop_step: int | tuple[int, ...] | None = None,
+        lr_decay: float | None = None,
     ) -> None:
         super().__init__()
         self.per_rank_batch = tuple(per_rank_batch)
         self.steps = steps
         self.lr = lr
         self.optimizer_name = optimizer
-        self.inject = inject  # (kind, rank, batch_idx): "loss_nan" adds NaN to the loss, "grad_inf" an Inf to a grad
-        self.drop_step = drop_step  # reference runs: this step's batch is left out of the data stream
+        # (kind, rank, batch_idx): "loss_nan" adds NaN to the loss, "loss_spike" multiplies it by 1000, "grad_inf"
+        # puts an Inf in a gradient
+        self.inject = inject
+        # reference runs: this step's batch (or these steps') is left out of the data stream
+        self.drop_step = drop_step
+        self.lr_decay = lr_decay  # an ExponentialLR stepped every optimizer step
         self._grad_hook = None
         torch.manual_seed(7)
         self.net = nn.Sequential(
@@ -90,6 +95,8 @@ class BatchNormClassifier(pl.LightningModule):
         loss = nn.functional.cross_entropy(self(x), y)
         if self._injecting("loss_nan", batch_idx):
             loss = loss + float("nan")  # the gradients stay finite: only the loss says something is wrong
+        if self._injecting("loss_spike", batch_idx):
+            loss = loss * 1000.0  # finite: a spike of the loss and of this rank's gradients
         self.log("train_loss", loss)
         return loss
 
@@ -98,18 +105,32 @@ class BatchNormClassifier(pl.LightningModule):
             self._grad_hook.remove()
             self._grad_hook = None
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
+    @property
+    def _dropped(self) -> set[int]:
+        if self.drop_step is None:
+            return set()
+        return {self.drop_step} if isinstance(self.drop_step, int) else set(self.drop_step)
+
+    def configure_optimizers(self) -> Any:
         if self.optimizer_name == "adam_fused":
-            return torch.optim.Adam(self.parameters(), lr=self.lr, fused=True)
-        if self.optimizer_name == "adam":
-            return torch.optim.Adam(self.parameters(), lr=self.lr)
-        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+            optimizer = torch.optim.Adam(self.parameters(), lr=self.lr, fused=True)
+        elif self.optimizer_name == "adam":
+            optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+        elif self.optimizer_name == "adam_foreach":
+            optimizer = torch.optim.Adam(self.parameters(), lr=self.lr, foreach=True)
+        else:
+            optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        if self.lr_decay is None:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=self.lr_decay)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def train_dataloader(self) -> DataLoader:
         rank = self.global_rank if self._trainer is not None else 0
         x, y = global_data(sum(self.per_rank_batch) * self.steps)
+        dropped = self._dropped
         slices = [
-            sl for step, sl in enumerate(rank_slices(self.per_rank_batch, self.steps)[rank]) if step != self.drop_step
+            sl for step, sl in enumerate(rank_slices(self.per_rank_batch, self.steps)[rank]) if step not in dropped
         ]
         indices = [i for start, stop in slices for i in range(start, stop)]
         dataset = TensorDataset(x[indices], y[indices])
@@ -152,6 +173,11 @@ class RankStateDump(pl.Callback):
                 for key, state in trainer.optimizers[0].state_dict()["state"].items()
             },
             "skipped_steps": next((c.skipped_steps for c in trainer.callbacks if hasattr(c, "skipped_steps")), None),
+            "spiked_steps": next((c.spiked_steps for c in trainer.callbacks if hasattr(c, "spiked_steps")), None),
+            "rollbacks": next((c.rollbacks for c in trainer.callbacks if hasattr(c, "rollbacks")), None),
+            "events": [
+                (e.step, e.kind, e.detail) for c in trainer.callbacks if hasattr(c, "events") for e in c.events.since(0)
+            ],
         }
         torch.save(state, Path(self.directory) / f"rank{trainer.global_rank}.pt")
 
