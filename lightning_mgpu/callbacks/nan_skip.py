@@ -68,7 +68,8 @@ class NaNSkip(Callback):
       rank, so every rank decides alike; each optimizer has its own window;
     - the loss is each rank's own (divided by the loss scale under ``16-mixed``), tested at every micro-batch against
       that rank's window of micro-batch losses; a rank whose loss spikes turns its backward pass into NaN, as for a
-      NaN loss, so every rank skips the step. The loss window in a checkpoint is rank 0's; the others resume with it.
+      NaN loss, so every rank skips the step. Under the pack's strategies each rank resumes its own loss window from a
+      checkpoint (they save every rank's); under others, every rank resumes rank 0's.
       Under manual optimization the loss is not tested (several backward passes for several optimizers may share a
       batch), only the gradient norms.
 
@@ -295,12 +296,10 @@ class NaNSkip(Callback):
             register_step_decider(optimizer, self._decide)
 
     @override
-    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if self._rollback is not None:
-            self._rollback.take(trainer.global_step)
-
-    @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int):
+        if self._rollback is not None and self._rollback.step is None:
+            # the first snapshot, once the strategy's on_train_start has put back what a checkpoint held per rank
+            self._rollback.take(trainer.global_step)
         if self._snapshot is None:  # the first micro-batch of an optimizer step
             self._snapshot = [buffer.detach().clone() for buffer in self._buffers]
             self._loss_bad = torch.zeros((), dtype=torch.bool, device=pl_module.device)
@@ -603,6 +602,14 @@ class NaNSkip(Callback):
         for optimizer in trainer.optimizers:
             self._drop_found_inf(optimizer)
             unregister_step_decider(optimizer, self._decide)
+
+    def _rank_state(self) -> dict[str, Any]:
+        """What differs between ranks, for the pack's strategies to save from every rank: the loss window."""
+        return {"loss_window": self._loss_window.state_dict()} if self._loss_window is not None else {}
+
+    def _load_rank_state(self, state: dict[str, Any]) -> None:
+        if self._loss_window is not None and "loss_window" in state:
+            self._loss_window.load_state_dict(state["loss_window"])
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -10,7 +10,10 @@ restored. :class:`ExactResume` is the strategies' part of the fix:
   from every rank (one ``all_gather_object`` per save), those streams and the rank's streams at the save, plus how
   many batches of the epoch were trained;
 - a fit resumed from it replays the epoch's draw, passes over the trained batches without reading them, and puts each
-  rank's streams back at ``on_train_start``.
+  rank's streams back at ``on_train_start``;
+- a callback whose state differs between ranks (NaNSkip's loss window) gives it through ``_rank_state()`` at the
+  save and gets its own rank's back through ``_load_rank_state(state)`` at ``on_train_start``, after Lightning
+  restored rank 0's ``state_dict``.
 """
 
 import copy
@@ -120,6 +123,7 @@ class ExactResume:
         mine = {
             "random": capture_random_states(device, replicas),
             "epoch_start": self.batches.epoch_start if self.batches is not None else None,
+            "callbacks": {cb.state_key: cb._rank_state() for cb in trainer.callbacks if hasattr(cb, "_rank_state")},
         }
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         ranks: list[Any] = [mine]
@@ -150,11 +154,18 @@ class ExactResume:
             return
         self._loaded = {**saved, **saved["ranks"][rank]}
 
-    def on_train_start(self, device: torch.device, replicas: Sequence[torch.device] = ()) -> None:
-        """Put this rank's streams back as they were at the save."""
+    def on_train_start(
+        self, device: torch.device, replicas: Sequence[torch.device] = (), trainer: "pl.Trainer | None" = None
+    ) -> None:
+        """Put this rank's streams, and its callbacks' per-rank states, back as they were at the save."""
         loaded, self._loaded = self._loaded, None
-        if loaded is not None:
-            restore_random_states(loaded["random"], device, replicas)
+        if loaded is None:
+            return
+        restore_random_states(loaded["random"], device, replicas)
+        saved = loaded.get("callbacks", {})
+        for callback in trainer.callbacks if trainer is not None else ():
+            if hasattr(callback, "_load_rank_state") and callback.state_key in saved:
+                callback._load_rank_state(saved[callback.state_key])
 
     def teardown(self) -> None:
         """Forget a checkpoint that no fit resumed from (a ``validate(ckpt_path=...)``)."""
@@ -190,7 +201,7 @@ class ExactResumeHooks(Strategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        self._exact_resume.on_train_start(self.root_device, self._replica_devices)
+        self._exact_resume.on_train_start(self.root_device, self._replica_devices, self._trainer)
 
     def _add_resume_state(self, checkpoint: dict[str, Any]) -> None:
         self._exact_resume.save(self._trainer, self.root_device, checkpoint, self._replica_devices)

@@ -166,7 +166,7 @@ def test_bad_input_is_named_at_construction(kwargs, error, pattern):
 # --- two real processes -------------------------------------------------------------------------------------------
 
 
-def fit_two(model, tmp_path, callbacks=(), steps=STEPS):
+def fit_two(model, tmp_path, callbacks=(), steps=STEPS, ckpt_path=None, **kwargs):
     trainer = Trainer(
         accelerator="cpu",
         devices=2,
@@ -174,10 +174,10 @@ def fit_two(model, tmp_path, callbacks=(), steps=STEPS):
         max_steps=steps,
         use_distributed_sampler=False,
         callbacks=[*callbacks, RankStateDump(tmp_path)],
-        **QUIET,
+        **{**QUIET, **kwargs},
     )
     with finished_fits_survive_exit_aborts(tmp_path):
-        trainer.fit(model)
+        trainer.fit(model, ckpt_path=ckpt_path)
     return load_rank_dumps(tmp_path)
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_mgpu import GradientClipping, NaNSkip, RollbackLimitError
 from tests.callbacks.test_nan_skip import assert_same_training_state, fit_one, fit_two
@@ -284,3 +285,28 @@ def test_each_optimizer_has_its_own_gradient_norm_window(tmp_path):
     fit_one(TwoOptimizers(), tmp_path, callbacks=[skip], steps=240)
     assert (skip.skipped_steps, skip.optimizer_steps) == (0, 240)
     assert [int(window.count) for window in skip._norm_windows] == [20, 20]  # both tested, neither flagged
+
+
+@pytest.mark.distributed
+def test_each_rank_resumes_its_own_loss_window_from_a_checkpoint(tmp_path):
+    def fit(directory, steps, checkpoint=None, save_every=None):
+        callbacks = [spike_skip(spike_on="loss")]
+        if save_every is not None:
+            callbacks.append(ModelCheckpoint(dirpath=directory / "ckpt", every_n_train_steps=save_every))
+        model = BatchNormClassifier(
+            (8, 8), steps=STEPS, lr=0.01, optimizer="adam", inject=("loss_spike", 1, SPIKE_STEP)
+        )
+        return fit_two(
+            model, directory, callbacks, steps, ckpt_path=checkpoint, enable_checkpointing=save_every is not None
+        )
+
+    uninterrupted = fit(tmp_path / "whole", STEPS)
+    fit(tmp_path / "first", 25, save_every=25)
+    (checkpoint,) = (tmp_path / "first" / "ckpt").iterdir()
+    resumed = fit(tmp_path / "resumed", STEPS, checkpoint=str(checkpoint))
+    windows = [dump["rank_state"]["loss_window"] for dump in uninterrupted]
+    assert windows[0] != windows[1]  # the ranks' losses differ, so a shared window would be wrong for one of them
+    assert [dump["rank_state"]["loss_window"] for dump in resumed] == windows
+    assert [dump["skipped_steps"] for dump in resumed] == [1, 1]  # the spike after the resume, skipped on both
+    for ours, reference in zip(resumed, uninterrupted, strict=True):
+        assert_same_training_state(ours, reference, atol=0)

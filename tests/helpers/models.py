@@ -175,6 +175,7 @@ class RankStateDump(pl.Callback):
             "skipped_steps": next((c.skipped_steps for c in trainer.callbacks if hasattr(c, "skipped_steps")), None),
             "spiked_steps": next((c.spiked_steps for c in trainer.callbacks if hasattr(c, "spiked_steps")), None),
             "rollbacks": next((c.rollbacks for c in trainer.callbacks if hasattr(c, "rollbacks")), None),
+            "rank_state": next((c._rank_state() for c in trainer.callbacks if hasattr(c, "_rank_state")), None),
             "events": [
                 (e.step, e.kind, e.detail) for c in trainer.callbacks if hasattr(c, "events") for e in c.events.since(0)
             ],
