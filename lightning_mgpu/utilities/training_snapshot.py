@@ -23,6 +23,7 @@ class _OptimizerCopy:
 class _Saved:
     step: int
     layout: tuple[Any, ...]  # what the state was made of (see TrainingSnapshot._layout)
+    group_sizes: tuple[Any, ...]  # the cheap part of it (see TrainingSnapshot._group_sizes)
     optimizers: list[_OptimizerCopy]
     schedulers: list[dict[str, Any]]
     scaler_slots: list[int]
@@ -92,9 +93,17 @@ class TrainingSnapshot:
         groups = tuple(tuple(tuple(id(p) for p in g["params"]) for g in o.param_groups) for o in self.optimizers)
         return module, groups
 
+    def _group_sizes(self) -> tuple[Any, ...]:
+        """How many parameters each param group of each optimizer has: O(groups), cheap enough for every step."""
+        return tuple(tuple(len(g["params"]) for g in o.param_groups) for o in self.optimizers)
+
     def matches(self) -> bool:
-        """Whether a snapshot is held and the module and optimizers are still made of what it saved."""
-        return self._saved is not None and self._saved.layout == self._layout()
+        """Whether a snapshot is held and the optimizers' param groups still have the sizes it saved.
+
+        Cheap enough for every step: a fine-tuning callback that adds a group changes them. :meth:`restore` checks the
+        parameters' identities too.
+        """
+        return self._saved is not None and self._saved.group_sizes == self._group_sizes()
 
     def _tensors(self) -> tuple[list[Tensor], list[_OptimizerCopy], list[int]]:
         """Every tensor to save in a fixed order, the optimizers' structure (tensors as slots), the scaler's slots."""
@@ -136,7 +145,7 @@ class TrainingSnapshot:
         self._copy(self._host, tensors)
         schedulers = [copy.deepcopy(s.state_dict()) for s in self.schedulers]
         extra = [copy.deepcopy(self.extra())] if self.extra is not None else []
-        self._saved = _Saved(step, self._layout(), copies, schedulers, scaler_slots, extra)
+        self._saved = _Saved(step, self._layout(), self._group_sizes(), copies, schedulers, scaler_slots, extra)
         self._devices = [t.device for t in tensors]
 
     def _copy(self, host: list[Tensor], tensors: list[Tensor]) -> None:
@@ -164,12 +173,12 @@ class TrainingSnapshot:
         """Put the saved state back (parameters, buffers, optimizer states, schedulers, scaler, extra); its step.
 
         Raises:
-            RuntimeError: no snapshot was taken, or the module or optimizers changed since (see :meth:`matches`).
+            RuntimeError: no snapshot was taken, or the module's parameters or the optimizers' param groups changed.
         """
         saved = self._saved
         if saved is None:
             raise RuntimeError("TrainingSnapshot.restore: no snapshot was taken")
-        if not self.matches():
+        if saved.layout != self._layout():
             raise RuntimeError(
                 f"TrainingSnapshot.restore: the module's parameters or the optimizers' param groups changed since the "
                 f"snapshot of step {saved.step} (a param group added by fine-tuning, say): it cannot be put back"
