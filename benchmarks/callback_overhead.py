@@ -10,6 +10,10 @@ Configurations alternate over rounds; the ratio is the median step time with the
 measured in the same round. ``--accelerator cuda`` runs the same on a GPU (fused Adam there, so that NaNSkip skips
 on the device).
 
+Each run also times the pack callbacks' own hooks (wall time inside them, per optimizer step, each callback
+separately): on the CPU every op they queue runs before they return, so that is their whole cost, read without the
+run-to-run noise of the step-time ratio. It is printed as a share of the no-callback step of the same round.
+
     python benchmarks/callback_overhead.py --rounds 5
     python benchmarks/callback_overhead.py --accelerator cuda --batch-size 512
 """
@@ -80,6 +84,26 @@ def worker(name: str, args: argparse.Namespace) -> None:
     if "+clip" in name:
         mode = name.split("_")[-1]
         callbacks.append(GradientClipping(mode=mode, **({"max_norm": 1.0} if mode == "norm" else {})))
+    hook_seconds = {type(callback).__name__: 0.0 for callback in callbacks}
+
+    def timed(callback: pl.Callback, hook: str) -> None:
+        inner = getattr(callback, hook)
+        owner = type(callback).__name__
+
+        def call(*hook_args, **hook_kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*hook_args, **hook_kwargs)
+            finally:
+                if len(clock.times) > args.warmup:  # steady steps only
+                    hook_seconds[owner] += time.perf_counter() - start
+
+        setattr(callback, hook, call)  # Lightning calls the instance's attribute
+
+    hooks = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step")
+    for callback in callbacks:
+        for hook in (*hooks, "on_before_zero_grad", "on_train_batch_end"):
+            timed(callback, hook)
     clock = Clock()
     g = torch.Generator().manual_seed(0)
     samples = args.steps * args.batch_size
@@ -96,7 +120,13 @@ def worker(name: str, args: argparse.Namespace) -> None:
     )
     trainer.fit(Net(), DataLoader(data, batch_size=args.batch_size))
     steps = [b - a for a, b in zip(clock.times[args.warmup :], clock.times[args.warmup + 1 :], strict=False)]
-    result = {"config": name, "step_ms": 1000 * statistics.median(steps), "mean_ms": 1000 * statistics.fmean(steps)}
+    counted = max(1, len(steps))
+    result = {
+        "config": name,
+        "step_ms": 1000 * statistics.median(steps),
+        "mean_ms": 1000 * statistics.fmean(steps),
+        "hook_us": {owner: 1e6 * seconds / counted for owner, seconds in hook_seconds.items()},
+    }
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
@@ -122,6 +152,8 @@ def main() -> None:
         args.accelerator,
     ]
     ratios: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    hook_shares: dict[tuple[str, str], list[float]] = {}
+    hook_us: dict[tuple[str, str], list[float]] = {}
     mean_ratios: dict[str, list[float]] = {name: [] for name in CONFIGS}
     for round_index in range(args.rounds):
         order = CONFIGS if round_index % 2 == 0 else tuple(reversed(CONFIGS))
@@ -130,6 +162,9 @@ def main() -> None:
         for name in CONFIGS:
             ratios[name].append(times[name] / times["none"])
             mean_ratios[name].append(results[name]["mean_ms"] / results["none"]["mean_ms"])
+            for owner, micros in results[name]["hook_us"].items():
+                hook_us.setdefault((name, owner), []).append(micros)
+                hook_shares.setdefault((name, owner), []).append(micros / 1000 / times["none"])
         print(
             f"round {round_index + 1}: "
             + ", ".join(f"{n} {times[n]:.2f} ms ({times[n] / times['none']:.3f}x)" for n in CONFIGS)
@@ -143,9 +178,27 @@ def main() -> None:
     print("mean step-time ratio to no callback (same round; snapshot steps included):")
     for name in CONFIGS[1:]:
         print(f"  {name:<22} {statistics.median(mean_ratios[name]):.3f}x")
+    print("time inside each callback's hooks per optimizer step, and 1 + its share of the no-callback step:")
+    for (name, owner), micros in hook_us.items():
+        share = statistics.median(hook_shares[(name, owner)])
+        print(
+            f"  {name:<22} {owner:<17} {statistics.median(micros):7.0f} us  {1 + share:.3f}x  "
+            f"(range {1 + min(hook_shares[(name, owner)]):.3f}-{1 + max(hook_shares[(name, owner)]):.3f})"
+        )
     rows = [
         ratio_row("callback_overhead", name, "step time vs no callback", ratios[name], "lower", "no callback")
         for name in CONFIGS[1:]
+    ]
+    rows += [
+        ratio_row(
+            "callback_overhead",
+            f"{name}: {owner} hooks",
+            "1 + hook time / no-callback step",
+            [1 + share for share in shares],
+            "lower",
+            "no callback",
+        )
+        for (name, owner), shares in hook_shares.items()
     ]
     rows.append(
         ratio_row(

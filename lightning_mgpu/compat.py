@@ -41,6 +41,7 @@ from packaging.version import Version
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.optim import Optimizer
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 from torchmetrics import Metric
 
 # lowest tested release, first untested minor: CI runs the suite on the newest 2.6 patch and the strategies, callbacks
@@ -606,6 +607,11 @@ def foreach_mul_(tensors: list[Tensor], scalar: Tensor | float) -> None:
 def foreach_copy_(targets: list[Tensor], sources: list[Tensor]) -> None:
     """Copy ``sources`` into ``targets`` in one multi-tensor kernel (torch's ``_foreach_copy_``, 2.13)."""
     torch._foreach_copy_(targets, sources)
+
+
+def fused_kernel_devices() -> list[str]:
+    """The device types torch's fused optimizer kernels run on (``_get_fused_kernels_supported_devices``, 2.13)."""
+    return _get_fused_kernels_supported_devices()
 
 
 def supports_amp_scaling(optimizer: Optimizer) -> bool:

@@ -26,6 +26,7 @@ from lightning_mgpu.callbacks._step_verdict import (
     step_is_bad,
     unregister_step_decider,
 )
+from lightning_mgpu.utilities.device_skip import FusedRoute, MaskedStep, why_no_fused_route
 from lightning_mgpu.utilities.spike_window import SpikeWindow
 from lightning_mgpu.utilities.training_events import EventLog
 from lightning_mgpu.utilities.training_snapshot import TrainingSnapshot
@@ -100,8 +101,20 @@ class NaNSkip(Callback):
 
     - fused torch optimizers (``Adam``/``AdamW``/``SGD`` with ``fused=True``, CPU or CUDA): on the device,
       through the ``found_inf`` argument their kernels take (as ``GradScaler`` does): no host synchronisation.
-    - any other optimizer: the flag is read on the host once per optimizer step (on CUDA, one synchronisation per
-      optimizer step) and every gradient is set to ``None``, which torch's optimizers skip exactly.
+    - torch's ``Adam``/``AdamW``/``SGD`` without ``fused=True``, with ``skip_on_device="auto"`` on an accelerator or
+      ``True`` anywhere: each step runs through the class's fused kernel with ``found_inf``
+      (:class:`~lightning_mgpu.utilities.device_skip.FusedRoute`): the flags are set for the step only, so the
+      optimizer's settings and ``state_dict`` stay the user's; the results are the fused kernel's (they differ from
+      the foreach kernel's by rounding). SGD with momentum reads its first step's verdict on the host.
+    - any other optimizer with ``skip_on_device=True``: the step is masked
+      (:class:`~lightning_mgpu.utilities.device_skip.MaskedStep`): a device backup of its parameters and state, put
+      back by ``torch.where`` where the step is bad; it holds one copy of them. Its first step, and every step of an
+      optimizer whose state is kept on the host (counters without ``capturable=True``) or is not a tensor, reads the
+      verdict on the host instead (said once, with the reason).
+    - otherwise (``skip_on_device=False``; ``"auto"`` on the CPU, where a host read costs nothing; ``"auto"`` for an
+      optimizer without a fused twin) the flag is read on the host once per optimizer step (on CUDA, one
+      synchronisation per optimizer step) and every gradient is set to ``None``, which torch's optimizers skip
+      exactly. Which way each optimizer takes is printed at the start of ``fit``.
     - ``precision="16-mixed"``: ``GradScaler`` already skips steps with inf/NaN gradients; they are counted.
       Its first steps may overflow while it calibrates the loss scale: leave ``max_consecutive`` large enough.
     - manual optimization: the optimizer step the ``training_step`` calls is skipped as above; what the step does
@@ -140,13 +153,16 @@ class NaNSkip(Callback):
         spike_action: ``"skip"`` the bad step, or ``"rollback"`` to the last snapshot.
         snapshot_every: ``rollback``: optimizer steps between snapshots.
         max_rollbacks: ``rollback``: rollbacks allowed over the whole run; ``None`` for no limit.
+        skip_on_device: ``"auto"``, ``True`` or ``False``: skip the bad steps of non-fused optimizers on the device,
+            with no host read (see above); ``"auto"`` does so on accelerators, through fused kernels only.
 
     Raises:
         TypeError: a ``check`` or ``spike_on`` that is not a string, a ``max_consecutive`` or ``spike_window`` that is
             not an int (or None where allowed), a ``spike_zscore`` that is not a number or None, or a
-            ``log_skipped`` or ``progress_bar`` that is not a bool.
-        ValueError: an unknown ``check`` or ``spike_on``, a ``max_consecutive`` below 1, a ``spike_zscore`` that is
-            not positive, or a ``spike_window`` below 2.
+            ``log_skipped`` or ``progress_bar`` that is not a bool, or a ``skip_on_device`` that is neither a bool nor
+            a string.
+        ValueError: an unknown ``check``, ``spike_on`` or ``skip_on_device``, a ``max_consecutive`` below 1, a
+            ``spike_zscore`` that is not positive, or a ``spike_window`` below 2.
         NonFiniteStepsError: during ``fit``, see ``max_consecutive``.
         RollbackLimitError: during ``fit``, see ``max_rollbacks``.
         MisconfigurationException: at setup, ``spike_action="rollback"`` with ``precision="16-mixed"``.
@@ -168,6 +184,7 @@ class NaNSkip(Callback):
         spike_action: SpikeAction = "skip",
         snapshot_every: int = 50,
         max_rollbacks: int | None = 5,
+        skip_on_device: bool | Literal["auto"] = "auto",
     ):
         owner = type(self).__name__
         check_choice(owner, "check", check, CHECK_TARGETS)
@@ -180,6 +197,7 @@ class NaNSkip(Callback):
         check_choice(owner, "spike_action", spike_action, SPIKE_ACTIONS)
         check_int(owner, "snapshot_every", snapshot_every, minimum=1)
         check_int(owner, "max_rollbacks", max_rollbacks, minimum=1, allow_none=True, hint="use None for no limit")
+        check_choice(owner, "skip_on_device", skip_on_device, ("auto", True, False))
         self.check = check
         self.max_consecutive = max_consecutive
         self.log_skipped = log_skipped
@@ -190,7 +208,13 @@ class NaNSkip(Callback):
         self.spike_action = spike_action
         self.snapshot_every = snapshot_every
         self.max_rollbacks = max_rollbacks
+        self.skip_on_device = skip_on_device
         self.rollbacks = 0
+        # per optimizer (by id): how its bad steps are skipped on the device, where they are, and why not elsewhere
+        self._routes: dict[int, FusedRoute] = {}
+        self._masks: dict[int, MaskedStep] = {}
+        self._host_reasons: dict[int, str] = {}
+        self._masked_reported = False
         self._rollback: TrainingSnapshot | None = None
         self._rollback_due: int | None = None  # the global step of a bad step, until its batch ends
         self._loss_window: SpikeWindow | None = None
@@ -275,6 +299,7 @@ class NaNSkip(Callback):
         ]
         self._snapshot = None
         clear_step_verdicts()
+        self._masked_reported = False
         self._optimizer_index = {id(optimizer): i for i, optimizer in enumerate(trainer.optimizers)}
         self._last_bad_spike = self._last_bad_spike.to(device)
         self._stepped = False
@@ -294,6 +319,7 @@ class NaNSkip(Callback):
             # found_inf is an argument of one step only; GradScaler removes the one it sets itself
             self._hooks.append(optimizer.register_step_post_hook(self._drop_found_inf))
             register_step_decider(optimizer, self._decide)
+        self._choose_device_skips(trainer, pl_module)
 
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int):
@@ -338,13 +364,15 @@ class NaNSkip(Callback):
             bad = self._decide(optimizer, params, trainer.global_step)
         self._count(bad)
         self.optimizer_steps += 1
-        on_device = _skips_on_device(optimizer, trainer, params)
+        way = self._device_skip(optimizer, trainer, params, bad.device)
         if self.max_consecutive is not None:  # before anything is changed: a raise leaves the optimizer clean
-            lagged = on_device and self._consecutive.is_cuda
+            lagged = way is not None and self._consecutive.is_cuda
             self._raise_if_too_many(trainer, self._lagged.read(self._consecutive) if lagged else None)
-        if on_device:
-            # the fused kernels leave parameters and state as they were where this is 1
-            self._found_inf = optimizer.found_inf = bad.float()
+        if way is not None:
+            if way == "fused":  # the fused kernels leave parameters and state as they were where this is 1
+                self._found_inf = optimizer.found_inf = bad.float()
+            else:  # the optimizer's step post-hook puts the backup back where this is true
+                self._arm_mask(self._masks[id(optimizer)], params, bad)
             self._restore_buffers(bad)
             if self._unread_from is None:
                 self._unread_from = trainer.global_step
@@ -434,7 +462,82 @@ class NaNSkip(Callback):
             steps = "step" if new == 1 else "steps"
             rank_zero_info(
                 f"{type(self).__name__}: {new} optimizer {steps} skipped since step {since} (through step {last}; "
-                f"the fused optimizer skips on the device, read at logging steps); {skipped} skipped so far{suffix}."
+                f"skipped on the device, read at logging steps); {skipped} skipped so far{suffix}."
+            )
+
+    def _choose_device_skips(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Decide, per optimizer, how its bad steps are skipped with no host read, and say so once."""
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        wanted = self.skip_on_device is True or (self.skip_on_device == "auto" and pl_module.device.type != "cpu")
+        lines = []
+        for index, optimizer in enumerate(trainer.optimizers):
+            name = f"optimizer {index} ({type(optimizer).__name__})"
+            if scaler is not None:  # GradScaler skips inf/NaN steps itself
+                continue
+            if compat.supports_amp_scaling(optimizer):
+                continue  # fused: skips through found_inf, as always
+            if not wanted:
+                self._host_reasons[id(optimizer)] = (
+                    "skip_on_device=False" if self.skip_on_device is False else "on the CPU a host read costs nothing"
+                )
+                continue
+            reason = why_no_fused_route(optimizer)
+            if reason is None:
+                self._routes[id(optimizer)] = FusedRoute(optimizer)
+                lines.append(f"{name} steps through its fused kernel, which skips bad steps on the device")
+            elif self.skip_on_device is True:
+                self._masks[id(optimizer)] = MaskedStep(optimizer)
+                lines.append(
+                    f"{name} has its bad steps undone on the device (a backup of its parameters and state, "
+                    "one torch.where per tensor)"
+                )
+            else:
+                self._host_reasons[id(optimizer)] = reason
+                lines.append(
+                    f"{name} reads each step's verdict on the host ({reason}); skip_on_device=True masks its steps "
+                    "on the device instead, at the cost of a copy of its parameters and state"
+                )
+        if lines:
+            rank_zero_info(f"{type(self).__name__}: " + "; ".join(lines) + ".")
+
+    def _device_skip(
+        self, optimizer: Optimizer, trainer: "pl.Trainer", params: list[Tensor], device: torch.device
+    ) -> str | None:
+        """How this step is skipped with no host read: ``"fused"`` (found_inf), ``"masked"``, or ``None`` (read)."""
+        if getattr(trainer.precision_plugin, "scaler", None) is not None:
+            return None  # GradScaler handles inf/NaN steps
+        fused = compat.supports_amp_scaling(optimizer) or id(optimizer) in self._routes
+        if fused:
+            # fused SGD creates its momentum buffers empty on the first step and its kernel returns early on found_inf:
+            # a skipped first step would keep garbage as momentum
+            momentum = isinstance(optimizer, torch.optim.SGD) and any(
+                g.get("momentum", 0) for g in optimizer.param_groups
+            )
+            if momentum and not all("momentum_buffer" in optimizer.state.get(p, {}) for p in params):
+                return None
+            return "fused"
+        mask = self._masks.get(id(optimizer))
+        if mask is None:
+            return None
+        reason = mask.why_not(params, device)
+        if reason is not None:
+            first_step = any(not optimizer.state.get(p) for p in params)  # expected: no line
+            if not first_step and self._host_reasons.get(id(optimizer)) != reason:  # said once per reason
+                self._host_reasons[id(optimizer)] = reason
+                rank_zero_info(
+                    f"{type(self).__name__}: {type(optimizer).__name__}'s step {trainer.global_step} reads its verdict "
+                    f"on the host: {reason}."
+                )
+            return None
+        return "masked"
+
+    def _arm_mask(self, mask: MaskedStep, params: list[Tensor], bad: Tensor) -> None:
+        mask.arm(params, bad)
+        if not self._masked_reported:
+            self._masked_reported = True
+            rank_zero_info(
+                f"{type(self).__name__}: the masked step of {type(mask.optimizer).__name__} holds "
+                f"{mask.nbytes / 2**20:.2f} MB of device memory per process."
             )
 
     def _drop_found_inf(self, optimizer: Optimizer, *_: Any) -> None:
@@ -602,6 +705,9 @@ class NaNSkip(Callback):
         for optimizer in trainer.optimizers:
             self._drop_found_inf(optimizer)
             unregister_step_decider(optimizer, self._decide)
+        for way in (*self._routes.values(), *self._masks.values()):
+            way.remove()
+        self._routes, self._masks, self._host_reasons = {}, {}, {}
 
     def _rank_state(self) -> dict[str, Any]:
         """What differs between ranks, for the pack's strategies to save from every rank: the loss window."""
@@ -642,18 +748,6 @@ class NaNSkip(Callback):
                 window = SpikeWindow(rows=1, size=self.spike_window, zscore=self.spike_zscore)
                 window.load_state_dict(saved)
                 self._norm_windows.append(window)
-
-
-def _skips_on_device(optimizer: Optimizer, trainer: "pl.Trainer", params: list[Tensor]) -> bool:
-    """Whether the optimizer's own kernels can skip on a device flag, with no GradScaler handling that already."""
-    fused = bool(getattr(optimizer, "defaults", {}).get("fused")) and compat.supports_amp_scaling(optimizer)
-    if not fused or getattr(trainer.precision_plugin, "scaler", None) is not None:
-        return False
-    # fused SGD creates its momentum buffers empty on the first step and its kernel returns early on found_inf:
-    # a skipped first step would keep garbage as momentum
-    if isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum", 0) for g in optimizer.param_groups):
-        return all("momentum_buffer" in optimizer.state.get(p, {}) for p in params)
-    return True
 
 
 class _SkipLines:

@@ -414,8 +414,8 @@ def test_a_fused_optimizer_skip_is_told_at_the_next_logging_step(tmp_path, caplo
     # no host read of its own: the count is read at logging steps where a logger reads it anyway (3, 7 with
     # log_every_n_steps=4), else at the end of training
     assert skip_lines(caplog) == [
-        f"NaNSkip: 1 optimizer step skipped since step 0 (through step {through}; the fused optimizer skips on the "
-        "device, read at logging steps); 1 skipped so far."
+        f"NaNSkip: 1 optimizer step skipped since step 0 (through step {through}; skipped on the device, read at "
+        "logging steps); 1 skipped so far."
     ]
     assert seen.counts == counts
     assert [(event.step, event.detail) for event in skip.events.since(0)] == [(through, f"1 in steps 0-{through}")]

@@ -118,6 +118,14 @@ class BatchNormClassifier(pl.LightningModule):
             optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
         elif self.optimizer_name == "adam_foreach":
             optimizer = torch.optim.Adam(self.parameters(), lr=self.lr, foreach=True)
+        elif self.optimizer_name == "adamw_forloop":
+            optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, foreach=False)
+        elif self.optimizer_name == "sgd_foreach":
+            optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, foreach=True)
+        elif self.optimizer_name == "rmsprop":
+            optimizer = torch.optim.RMSprop(self.parameters(), lr=self.lr, momentum=0.5)
+        elif self.optimizer_name == "adagrad":
+            optimizer = torch.optim.Adagrad(self.parameters(), lr=self.lr)
         else:
             optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
         if self.lr_decay is None:

@@ -85,6 +85,7 @@ def main() -> None:
     parser.add_argument("--nan-at", type=int, nargs=2, default=None, help="rank step")
     parser.add_argument("--nan-shard", type=int, nargs=2, default=None, help="rank step")
     parser.add_argument("--clip", type=float, default=None)
+    parser.add_argument("--skip-on-device", action="store_true", help="NaNSkip(skip_on_device=True)")
     parser.add_argument("--oom-backoff", action="store_true")
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--accelerator", default="cpu")
@@ -108,7 +109,7 @@ def main() -> None:
         callbacks.append(ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=args.save_at, save_top_k=-1))
     if args.nan_at is not None or args.nan_shard is not None:
         # NaNSkip runs first, so the shard's NaN is in place when it checks
-        callbacks.insert(0, NaNSkip(max_consecutive=3))
+        callbacks.insert(0, NaNSkip(max_consecutive=3, skip_on_device=args.skip_on_device))
     if args.nan_shard is not None:
         callbacks.insert(0, NaNInShard(*args.nan_shard))
     if args.oom_backoff:

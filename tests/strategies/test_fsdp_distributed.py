@@ -150,3 +150,12 @@ def test_a_run_the_plan_sharded_resumes_from_its_sharded_checkpoint(runs, tmp_pa
                          checkpoint, timeout=150)  # fmt: skip
     assert not refused["hung"] and refused["rc"] != 0
     assert refused["output"].count("is sharded (a folder of FSDP shards), but the memory plan chose DDP") == 2
+
+
+def test_a_nan_step_is_skipped_on_the_device_with_the_optimizer_on_its_fused_kernel(runs):
+    # AdamW(foreach=False) steps through its fused kernel with found_inf, on the sharded parameters
+    on_device = runs("nan_shard_on_device", "--steps", 12, "--nan-shard", 1, 5, "--skip-on-device")
+    host_read = runs("nan_shard", "--steps", 12, "--nan-shard", 1, 5)
+    assert on_device["skipped"] == [1, 1]
+    assert "optimizer 0 (AdamW) steps through its fused kernel" in on_device["output"]
+    assert max_difference(on_device["params"], host_read["params"]) <= 1e-6  # the two kernels round differently
