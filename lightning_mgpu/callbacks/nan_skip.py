@@ -214,7 +214,7 @@ class NaNSkip(Callback):
         self._routes: dict[int, FusedRoute] = {}
         self._masks: dict[int, MaskedStep] = {}
         self._host_reasons: dict[int, str] = {}
-        self._masked_reported = False
+        self._masked_reported: set[int] = set()  # ids of the optimizers whose backup size was printed
         self._rollback: TrainingSnapshot | None = None
         self._rollback_due: int | None = None  # the global step of a bad step, until its batch ends
         self._loss_window: SpikeWindow | None = None
@@ -299,7 +299,7 @@ class NaNSkip(Callback):
         ]
         self._snapshot = None
         clear_step_verdicts()
-        self._masked_reported = False
+        self._masked_reported = set()
         self._optimizer_index = {id(optimizer): i for i, optimizer in enumerate(trainer.optimizers)}
         self._last_bad_spike = self._last_bad_spike.to(device)
         self._stepped = False
@@ -365,11 +365,14 @@ class NaNSkip(Callback):
         self._count(bad)
         self.optimizer_steps += 1
         way = self._device_skip(optimizer, trainer, params, bad.device)
-        if self.max_consecutive is not None:  # before anything is changed: a raise leaves the optimizer clean
+        if self.max_consecutive is not None:  # before anything is changed: a raise leaves the optimizer as it was
             lagged = way is not None and self._consecutive.is_cuda
             self._raise_if_too_many(trainer, self._lagged.read(self._consecutive) if lagged else None)
         if way is not None:
             if way == "fused":  # the fused kernels leave parameters and state as they were where this is 1
+                route = self._routes.get(id(optimizer))
+                if route is not None:  # a non-fused torch optimizer: through its fused kernel for this step
+                    route.engage()
                 self._found_inf = optimizer.found_inf = bad.float()
             else:  # the optimizer's step post-hook puts the backup back where this is true
                 self._arm_mask(self._masks[id(optimizer)], params, bad)
@@ -488,8 +491,8 @@ class NaNSkip(Callback):
             elif self.skip_on_device is True:
                 self._masks[id(optimizer)] = MaskedStep(optimizer)
                 lines.append(
-                    f"{name} has its bad steps undone on the device (a backup of its parameters and state, "
-                    "one torch.where per tensor)"
+                    f"{name} has its bad steps undone on the device where its state allows (a backup of its "
+                    "parameters and state, one torch.where per tensor)"
                 )
             else:
                 self._host_reasons[id(optimizer)] = reason
@@ -506,8 +509,10 @@ class NaNSkip(Callback):
         """How this step is skipped with no host read: ``"fused"`` (found_inf), ``"masked"``, or ``None`` (read)."""
         if getattr(trainer.precision_plugin, "scaler", None) is not None:
             return None  # GradScaler handles inf/NaN steps
-        fused = compat.supports_amp_scaling(optimizer) or id(optimizer) in self._routes
-        if fused:
+        route = self._routes.get(id(optimizer))
+        if route is not None:
+            return "fused" if route.can_route(params) else None
+        if compat.supports_amp_scaling(optimizer):
             # fused SGD creates its momentum buffers empty on the first step and its kernel returns early on found_inf:
             # a skipped first step would keep garbage as momentum
             momentum = isinstance(optimizer, torch.optim.SGD) and any(
@@ -533,8 +538,8 @@ class NaNSkip(Callback):
 
     def _arm_mask(self, mask: MaskedStep, params: list[Tensor], bad: Tensor) -> None:
         mask.arm(params, bad)
-        if not self._masked_reported:
-            self._masked_reported = True
+        if id(mask.optimizer) not in self._masked_reported:
+            self._masked_reported.add(id(mask.optimizer))
             rank_zero_info(
                 f"{type(self).__name__}: the masked step of {type(mask.optimizer).__name__} holds "
                 f"{mask.nbytes / 2**20:.2f} MB of device memory per process."

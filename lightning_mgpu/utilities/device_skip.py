@@ -17,7 +17,6 @@ CUDA), unless the step itself is masked. Two ways do that here, chosen per optim
   and costs one ``where`` per tensor per step.
 """
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -25,6 +24,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_mgpu import compat
+from lightning_mgpu.utilities.sharded_tensors import local_part
 
 # torch's optimizers whose class has a fused kernel that reads ``found_inf`` (torch 2.13)
 _FUSED_TWINS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
@@ -49,10 +49,12 @@ def why_no_fused_route(optimizer: Optimizer) -> str | None:
 class FusedRoute:
     """Steps a non-fused torch ``Adam``/``AdamW``/``SGD`` through its fused kernel, which reads ``found_inf``.
 
-    The flags of every param group are set for the step (a step pre-hook) and put back after it (a post-hook), so the
-    optimizer's settings, ``state_dict`` and checkpoints are the user's. Step counters kept on the host (Adam's,
-    without ``capturable``) move to the parameters' device before the first routed step and after every
-    ``load_state_dict`` (a host-to-device copy each, once); :meth:`remove` moves them back.
+    :meth:`engage` sets ``fused=True, foreach=False`` on every param group for the step under way (call it once the
+    step's closure has run, before its update); the optimizer's step post-hook puts the user's flags back, and so does
+    :meth:`remove` after a step that raised. A ``state_dict`` taken meanwhile holds the user's flags. Step counters kept
+    on the host (Adam's, without ``capturable``) move to the parameters' device at the first routed step and after
+    every ``load_state_dict`` (a host-to-device copy each, once), are given on the host in every ``state_dict``, and go
+    back to it at :meth:`remove`.
 
     Args:
         optimizer: the optimizer to route; :func:`why_no_fused_route` must have returned ``None`` for it.
@@ -63,24 +65,36 @@ class FusedRoute:
         # counters on the host unless the user's optimizer keeps them on the device itself
         self._host_counters = not any(g.get("capturable") or g.get("fused") for g in optimizer.param_groups)
         self._placed = False
-        self._flags: list[tuple[Any, Any]] = []
+        self._flags: list[tuple[Any, Any]] = []  # the user's (foreach, fused) per group while engaged
         self._hooks = [
-            optimizer.register_step_pre_hook(self._before_step),
-            optimizer.register_step_post_hook(self._after_step),
+            optimizer.register_step_post_hook(self._release),
             optimizer.register_load_state_dict_post_hook(self._loaded),
             optimizer.register_state_dict_post_hook(self._state_dict),
         ]
 
-    def _before_step(self, optimizer: Optimizer, *_: Any) -> None:
-        self._flags = [(group.get("foreach"), group.get("fused")) for group in optimizer.param_groups]
-        for group in optimizer.param_groups:
+    def can_route(self, params: list[Tensor]) -> bool:
+        """Whether the fused kernel can take the step of ``params`` with ``found_inf`` (checked every step)."""
+        if any(p.grad is not None and p.grad.is_sparse for p in params):
+            return False  # the fused kernels take no sparse gradient
+        if isinstance(self.optimizer, torch.optim.SGD) and any(g["momentum"] for g in self.optimizer.param_groups):
+            # fused SGD creates momentum buffers empty and returns early on found_inf (a skipped first step would keep
+            # garbage as momentum), and takes none of a group with some buffers missing (a parameter stepping for the
+            # first time)
+            return all("momentum_buffer" in self.optimizer.state.get(p, {}) for p in params)
+        return True
+
+    def engage(self) -> None:
+        """Route the step under way through the fused kernel."""
+        if not self._flags:  # engaged twice (a step that raised before its post-hook): the first flags are the user's
+            self._flags = [(group.get("foreach"), group.get("fused")) for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
             group["foreach"], group["fused"] = False, True
         if not self._placed:
             self._placed = True
             self._move_counters(to_host=False)
 
-    def _after_step(self, optimizer: Optimizer, *_: Any) -> None:
-        for group, (foreach, fused) in zip(optimizer.param_groups, self._flags, strict=False):
+    def _release(self, *_: Any) -> None:
+        for group, (foreach, fused) in zip(self.optimizer.param_groups, self._flags, strict=False):
             group["foreach"], group["fused"] = foreach, fused
         self._flags = []
 
@@ -88,14 +102,20 @@ class FusedRoute:
         self._placed = False  # the loaded counters are where the checkpoint had them
 
     def _state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-        if not self._host_counters:
-            return state_dict
-        state = dict(state_dict["state"])
-        for key, value in state.items():
-            step = value.get("step")
-            if isinstance(step, Tensor) and step.device.type != "cpu":
-                state[key] = {**value, "step": step.to("cpu", _host_counter_dtype())}
-        return {**state_dict, "state": state}
+        groups = state_dict["param_groups"]
+        if self._flags:  # taken while engaged (after a raise): the user's flags
+            groups = [
+                {**group, "foreach": foreach, "fused": fused}
+                for group, (foreach, fused) in zip(groups, self._flags, strict=False)
+            ] + groups[len(self._flags) :]
+        state = state_dict["state"]
+        if self._host_counters:
+            state = dict(state)
+            for key, value in state.items():
+                step = value.get("step")
+                if isinstance(step, Tensor) and step.device.type != "cpu":
+                    state[key] = {**value, "step": step.to("cpu", _host_counter_dtype())}
+        return {**state_dict, "state": state, "param_groups": groups}
 
     def _move_counters(self, to_host: bool) -> None:
         dtype = _host_counter_dtype() if to_host else torch.float32  # the fused kernels count in float32
@@ -109,7 +129,8 @@ class FusedRoute:
                         state["step"] = step.to(device, dtype)
 
     def remove(self) -> None:
-        """Stop routing; the step counters go back to the host where the optimizer keeps them there."""
+        """Stop routing: the user's flags back (after a step that raised), step counters back on the host."""
+        self._release()
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -127,8 +148,10 @@ class MaskedStep:
     """Skips any optimizer's step on the device: a backup before the step, ``torch.where`` after it.
 
     :meth:`arm` is called once the step's verdict exists (before the optimizer's update); the optimizer's step
-    post-hook then restores, where the verdict is true, every tensor the backup holds. The backup buffers are
-    allocated once and kept while the parameters and state keep their shapes.
+    post-hook then restores, where the verdict is true, the parameters and every state tensor the backup holds, looked
+    up again by parameter and key (an optimizer may replace a state tensor rather than update it). A state key the step
+    creates, or a state tensor whose shape it changes, is not undone. Under FSDP2 each rank backs up its own shards.
+    The backup buffers are allocated once and kept while the parameters and state keep their shapes.
 
     Args:
         optimizer: the optimizer whose steps are masked.
@@ -136,7 +159,8 @@ class MaskedStep:
 
     def __init__(self, optimizer: Optimizer) -> None:
         self.optimizer = optimizer
-        self._live: list[Tensor] = []
+        self._params: list[Tensor] = []
+        self._slots: list[tuple[Tensor, str]] = []  # (parameter, state key) of every state tensor backed up
         self._backup: list[Tensor] = []
         self._bad: Tensor | None = None
         self._hook = optimizer.register_step_post_hook(self._after_step)
@@ -161,32 +185,37 @@ class MaskedStep:
                 if not isinstance(value, Tensor):
                     return f"its state {key!r} is a {type(value).__name__}, kept on the host"
                 if value.device != device:
-                    return f"its state {key!r} is kept on {value.device.type} (construct it with capturable=True)"
+                    return (
+                        f"its state {key!r} is kept on {value.device.type} (construct it with capturable=True where it "
+                        "has that option)"
+                    )
         return None
 
     def arm(self, params: list[Tensor], bad: Tensor) -> None:
         """Back up ``params`` and their state now; the step about to run is undone where ``bad`` is true."""
-        live = [*params, *_state_tensors(self.optimizer, params)]
+        slots = [(param, key) for param in params for key in self.optimizer.state[param]]
+        live = [local_part(p) for p in params] + [local_part(self.optimizer.state[p][k]) for p, k in slots]
         if [(t.shape, t.dtype, t.device) for t in live] != [(t.shape, t.dtype, t.device) for t in self._backup]:
             self._backup = [torch.empty_like(t) for t in live]
         with torch.no_grad():
             compat.foreach_copy_(self._backup, [t.detach() for t in live])
-        self._live, self._bad = live, bad
+        self._params, self._slots, self._bad = params, slots, bad
 
     def _after_step(self, optimizer: Optimizer, *_: Any) -> None:
         if self._bad is None:
             return
         bad, self._bad = self._bad, None
+        saved = self._backup
         with torch.no_grad():
-            for tensor, saved in zip(self._live, self._backup, strict=True):
-                torch.where(bad, saved, tensor.detach(), out=tensor.detach())
-        self._live = []
+            # the state is looked up again: an optimizer may have replaced a tensor instead of updating it in place
+            current = [*self._params, *(optimizer.state[param].get(key) for param, key in self._slots)]
+            for tensor, backup in zip(current, saved, strict=True):
+                part = local_part(tensor).detach() if isinstance(tensor, Tensor) else None
+                if part is not None and part.shape == backup.shape and part.dtype == backup.dtype:
+                    torch.where(bad, backup, part, out=part)
+        self._params, self._slots = [], []
 
     def remove(self) -> None:
         """Drop the hook and the backup."""
         self._hook.remove()
-        self._live, self._backup, self._bad = [], [], None
-
-
-def _state_tensors(optimizer: Optimizer, params: Iterable[Tensor]) -> list[Tensor]:
-    return [value for param in params for value in optimizer.state[param].values() if isinstance(value, Tensor)]
+        self._params, self._slots, self._backup, self._bad = [], [], [], None

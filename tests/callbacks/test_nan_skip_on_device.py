@@ -2,14 +2,16 @@
 
 On the CPU a host read costs nothing, so ``skip_on_device="auto"`` reads there; these tests ask for the device path
 with ``skip_on_device=True``, which is what ``"auto"`` does on a GPU. Host reads are counted as torch counts them:
-every ``.item()``, ``bool()``, ``int()`` or ``float()`` of a tensor dispatches ``aten._local_scalar_dense``.
+every ``.item()``, ``bool()``, ``int()`` or ``float()`` of a tensor dispatches ``aten._local_scalar_dense`` (Adagrad is
+left out there: its own kernel reads its host-side step counters every step, which reads no device).
 """
 
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import MultiGPUStrategy, NaNSkip
 from tests.callbacks.test_nan_skip import assert_same_training_state, fit_one, fit_two
@@ -45,7 +47,7 @@ def test_a_non_fused_optimizer_skips_a_nan_step_on_the_device_exactly(tmp_path, 
     assert ours["skipped_steps"] == 1
     assert_same_training_state(ours, reference, atol=0)
     assert way in caplog.text
-    assert not any(line.startswith("skipped optimizer step") for line in caplog.messages)  # never read at once
+    assert not any(line.startswith("NaNSkip: skipped optimizer step") for line in caplog.messages)  # no read at once
     # the user's optimizer is left as it was built
     built = type(trainer.optimizers[0])([torch.nn.Parameter(torch.zeros(1))], **_settings(optimizer))
     flags = [(g.get("foreach"), g.get("fused")) for g in (trainer.optimizers[0].param_groups[0], built.param_groups[0])]
@@ -106,9 +108,16 @@ class CountHostReads(Callback):
 
 
 @pytest.mark.parametrize(
-    ("skip_on_device", "optimizer"), [(True, "adam_foreach"), (True, "rmsprop"), (False, "adam_foreach")]
+    ("skip_on_device", "optimizer", "reads"),
+    [
+        (True, "adam_foreach", 0),
+        (True, "adamw_forloop", 0),
+        (True, "sgd_foreach", 1),  # the first step: no momentum buffer yet for the fused kernel to keep
+        (True, "rmsprop", 1),  # the first step, which creates the state
+        (False, "adam_foreach", None),
+    ],
 )
-def test_no_host_read_on_the_step_path(tmp_path, skip_on_device, optimizer):
+def test_no_host_read_on_the_step_path(tmp_path, skip_on_device, optimizer, reads):
     counter = CountHostReads()
     # spike detection on, a NaN step and a spike: every verdict stays on the device
     skip = NaNSkip(skip_on_device=skip_on_device, spike_zscore=6.0, spike_window=20, max_consecutive=None)
@@ -118,8 +127,7 @@ def test_no_host_read_on_the_step_path(tmp_path, skip_on_device, optimizer):
     trainer.fit(model)
     assert skip.skipped_steps == 1
     if skip_on_device:
-        # RMSprop's first step creates its state: that one verdict is read on the host
-        assert counter.reads == (0 if optimizer == "adam_foreach" else 1)
+        assert counter.reads == reads
     else:  # the verdict is read every step, and the foreach kernel reads its step counters
         assert counter.reads > STEPS
 
@@ -176,3 +184,76 @@ def test_bad_skip_on_device_is_named_at_construction():
         NaNSkip(skip_on_device="yes")
     with pytest.raises(TypeError, match=r"^NaNSkip: skip_on_device must be one of"):
         NaNSkip(skip_on_device=1)
+
+
+class RaiseAfterNaNSkip(Callback):
+    """Takes the optimizer's state_dict in a later callback's on_before_optimizer_step of step 3, then raises."""
+
+    def __init__(self) -> None:
+        self.flags = None
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step == 3:
+            groups = optimizer.state_dict()["param_groups"]
+            self.flags = (groups[0]["foreach"], groups[0]["fused"])
+            raise RuntimeError("stop")
+
+
+def test_a_step_that_raises_after_the_route_was_taken_leaves_the_users_settings(tmp_path):
+    raiser = RaiseAfterNaNSkip()
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_steps=FIT_STEPS, callbacks=[NaNSkip(skip_on_device=True), raiser], **QUIET
+    )
+    with pytest.raises(RuntimeError, match="stop"):
+        trainer.fit(BatchNormClassifier((8,), steps=FIT_STEPS, lr=0.01, optimizer="adam_foreach"))
+    assert raiser.flags == (True, None)  # a checkpoint written then holds the user's settings
+    group = trainer.optimizers[0].param_groups[0]
+    assert (group["foreach"], group["fused"]) == (True, None)
+
+
+class LateLayer(BatchNormClassifier):
+    """The first layer gets no gradient for the first two steps: its momentum buffer starts later than the others'."""
+
+    def on_before_optimizer_step(self, optimizer):
+        if self.global_step < 2:
+            for param in self.net[0].parameters():
+                param.grad = None
+
+
+def test_sgd_with_a_parameter_that_starts_stepping_late(tmp_path):
+    def fit(directory, **kwargs):
+        model = LateLayer((8,), steps=FIT_STEPS, lr=0.01, optimizer="sgd_foreach", **kwargs)
+        return fit_one(
+            model, directory, callbacks=[NaNSkip(skip_on_device=True)], steps=FIT_STEPS - ("drop_step" in kwargs)
+        )[0]
+
+    ours = fit(tmp_path / "ours", inject=("grad_inf", 0, 4))
+    reference = fit(tmp_path / "ref", drop_step=4)
+    assert ours["skipped_steps"] == 1
+    assert_same_training_state(ours, reference, atol=0)
+
+
+class SparseEmbedding(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(10, 4, sparse=True)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.embedding(batch[0]).pow(2).mean()
+        return loss * float("nan") if batch_idx == 2 else loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.arange(10).repeat(4).view(-1, 2)), batch_size=1)
+
+
+def test_sparse_gradients_are_not_routed_through_a_fused_kernel():
+    torch.manual_seed(0)
+    skip = NaNSkip(check="loss", skip_on_device=True)  # the gradient check takes no sparse gradient either
+    model = SparseEmbedding()
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=5, callbacks=[skip], **QUIET)
+    trainer.fit(model)  # the fused kernels take no sparse gradient: read on the host instead
+    assert skip.skipped_steps == 1
+    assert torch.isfinite(model.embedding.weight).all()
