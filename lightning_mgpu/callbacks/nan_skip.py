@@ -26,7 +26,7 @@ from lightning_mgpu.callbacks._step_verdict import (
     step_is_bad,
     unregister_step_decider,
 )
-from lightning_mgpu.utilities.device_skip import FusedRoute, MaskedStep, why_no_fused_route
+from lightning_mgpu.utilities.device_skip import FusedRoute, MaskedStep, fused_kernel_can_skip, why_no_fused_route
 from lightning_mgpu.utilities.spike_window import SpikeWindow
 from lightning_mgpu.utilities.training_events import EventLog
 from lightning_mgpu.utilities.training_snapshot import TrainingSnapshot
@@ -210,7 +210,7 @@ class NaNSkip(Callback):
         self.max_rollbacks = max_rollbacks
         self.skip_on_device = skip_on_device
         self.rollbacks = 0
-        # per optimizer (by id): how its bad steps are skipped on the device, where they are, and why not elsewhere
+        # per optimizer (by id): how its bad steps are skipped on the device, and the last reason a masked one read
         self._routes: dict[int, FusedRoute] = {}
         self._masks: dict[int, MaskedStep] = {}
         self._host_reasons: dict[int, str] = {}
@@ -479,10 +479,7 @@ class NaNSkip(Callback):
                 continue
             if compat.supports_amp_scaling(optimizer):
                 continue  # fused: skips through found_inf, as always
-            if not wanted:
-                self._host_reasons[id(optimizer)] = (
-                    "skip_on_device=False" if self.skip_on_device is False else "on the CPU a host read costs nothing"
-                )
+            if not wanted:  # skip_on_device=False, or "auto" on the CPU, where a host read costs nothing
                 continue
             reason = why_no_fused_route(optimizer)
             if reason is None:
@@ -495,7 +492,6 @@ class NaNSkip(Callback):
                     "parameters and state, one torch.where per tensor)"
                 )
             else:
-                self._host_reasons[id(optimizer)] = reason
                 lines.append(
                     f"{name} reads each step's verdict on the host ({reason}); skip_on_device=True masks its steps "
                     "on the device instead, at the cost of a copy of its parameters and state"
@@ -513,14 +509,7 @@ class NaNSkip(Callback):
         if route is not None:
             return "fused" if route.can_route(params) else None
         if compat.supports_amp_scaling(optimizer):
-            # fused SGD creates its momentum buffers empty on the first step and its kernel returns early on found_inf:
-            # a skipped first step would keep garbage as momentum
-            momentum = isinstance(optimizer, torch.optim.SGD) and any(
-                g.get("momentum", 0) for g in optimizer.param_groups
-            )
-            if momentum and not all("momentum_buffer" in optimizer.state.get(p, {}) for p in params):
-                return None
-            return "fused"
+            return "fused" if fused_kernel_can_skip(optimizer, params) else None
         mask = self._masks.get(id(optimizer))
         if mask is None:
             return None

@@ -76,12 +76,7 @@ class FusedRoute:
         """Whether the fused kernel can take the step of ``params`` with ``found_inf`` (checked every step)."""
         if any(p.grad is not None and p.grad.is_sparse for p in params):
             return False  # the fused kernels take no sparse gradient
-        if isinstance(self.optimizer, torch.optim.SGD) and any(g["momentum"] for g in self.optimizer.param_groups):
-            # fused SGD creates momentum buffers empty and returns early on found_inf (a skipped first step would keep
-            # garbage as momentum), and takes none of a group with some buffers missing (a parameter stepping for the
-            # first time)
-            return all("momentum_buffer" in self.optimizer.state.get(p, {}) for p in params)
-        return True
+        return fused_kernel_can_skip(self.optimizer, params)
 
     def engage(self) -> None:
         """Route the step under way through the fused kernel."""
@@ -139,6 +134,18 @@ class FusedRoute:
         self._placed = False
 
 
+def fused_kernel_can_skip(optimizer: Optimizer, params: list[Tensor]) -> bool:
+    """Whether a fused kernel's ``found_inf`` can skip the step of ``params`` exactly.
+
+    Fused SGD with momentum creates its momentum buffers empty and returns early on ``found_inf``: a skipped first
+    step would keep garbage as momentum. It also takes no group in which some buffers are missing (a parameter
+    stepping for the first time). Both need the verdict on the host; every other case skips on the device.
+    """
+    if isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum", 0) for g in optimizer.param_groups):
+        return all("momentum_buffer" in optimizer.state.get(p, {}) for p in params)
+    return True
+
+
 def _host_counter_dtype() -> torch.dtype:
     """The dtype torch's optimizers give a step counter kept on the host (torch 2.13's ``_get_scalar_dtype``)."""
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
@@ -163,6 +170,7 @@ class MaskedStep:
         self._slots: list[tuple[Tensor, str]] = []  # (parameter, state key) of every state tensor backed up
         self._backup: list[Tensor] = []
         self._bad: Tensor | None = None
+        self._checked: tuple[int, ...] | None = None  # the parameters whose state last passed why_not
         self._hook = optimizer.register_step_post_hook(self._after_step)
 
     @property
@@ -175,8 +183,12 @@ class MaskedStep:
 
         Every parameter must have its state already (a first step creates it: the verdict is read on the host then)
         and every state value must be a tensor on ``device``: a counter kept on the host (torch's optimizers without
-        ``capturable=True``) or a Python number changes on the host, where no device flag can undo it.
+        ``capturable=True``) or a Python number changes on the host, where no device flag can undo it. Checked again
+        only when the parameters stepping change.
         """
+        ids = tuple(map(id, params))
+        if ids == self._checked:
+            return None
         for param in params:
             state = self.optimizer.state.get(param)
             if not state:
@@ -189,6 +201,7 @@ class MaskedStep:
                         f"its state {key!r} is kept on {value.device.type} (construct it with capturable=True where it "
                         "has that option)"
                     )
+        self._checked = ids
         return None
 
     def arm(self, params: list[Tensor], bad: Tensor) -> None:
