@@ -358,6 +358,7 @@ class NaNSkip(Callback):
     def on_before_optimizer_step(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Optimizer
     ) -> None:
+        self._clear_unfinished_step(optimizer)
         params = params_to_step(trainer, optimizer)
         bad = step_is_bad(optimizer, params, trainer.global_step)
         if bad is None:  # an optimizer built after fit started
@@ -524,6 +525,15 @@ class NaNSkip(Callback):
                 )
             return None
         return "masked"
+
+    def _clear_unfinished_step(self, optimizer: Optimizer) -> None:
+        """What an earlier step that raised (and was caught, as under manual optimization) left set for itself."""
+        self._drop_found_inf(optimizer)
+        route, mask = self._routes.get(id(optimizer)), self._masks.get(id(optimizer))
+        if route is not None:
+            route.release()
+        if mask is not None:
+            mask.disarm()
 
     def _arm_mask(self, mask: MaskedStep, params: list[Tensor], bad: Tensor) -> None:
         mask.arm(params, bad)

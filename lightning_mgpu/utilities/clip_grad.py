@@ -158,16 +158,16 @@ class GradNormStatistics:
         Args:
             norm: the observed norm (0-dim).
             accept: a boolean tensor, false to leave the norm out; ``None`` to take every finite norm. A non-finite
-                norm must not be accepted.
+                norm is left out either way.
         """
         self.to(norm.device)
         norm = norm.float()
-        if accept is None:
-            accept = torch.isfinite(norm)
+        finite = torch.isfinite(norm)
+        accept = finite if accept is None else finite & accept
         # every step a handful of 0-dim ops (about 30 small ops per step cost z-score clipping 3% of a CPU step): a
         # weight of 0 leaves the mean and the variance exactly as they were, and delta is 0 where a NaN would be
         count = self.count + accept
-        weight = torch.where(accept, torch.clamp(count.reciprocal(), min=1.0 - self.decay), 0.0)  # count >= 1 there
+        weight = torch.where(accept, torch.clamp(count.float().reciprocal(), min=1.0 - self.decay), 0.0)  # count >= 1
         delta = torch.where(accept, norm - self.mean, 0.0)
         self.mean = torch.addcmul(self.mean, weight, delta)
         self.var = (1.0 - weight) * torch.addcmul(self.var, weight * delta, delta)
@@ -227,6 +227,6 @@ def zscore_clip_grads_(
     finite = torch.isfinite(norm)
     threshold = stats.threshold(z_threshold, warmup_steps)
     scale_grads_(grads, torch.where(finite, torch.clamp(threshold / (norm + 1e-6), max=1.0), 1.0))
-    # a non-finite norm stays out, or min(inf, threshold) would enter the statistics; so does a skipped step's
-    stats.update(torch.minimum(norm, threshold), finite if skipped is None else finite > skipped)  # and not
+    # min(inf, threshold) is finite: a non-finite norm is left out by what it was, as is a skipped step's
+    stats.update(torch.minimum(norm, threshold), finite if skipped is None else finite & ~skipped)
     return norm, threshold

@@ -67,7 +67,7 @@ class FusedRoute:
         self._placed = False
         self._flags: list[tuple[Any, Any]] = []  # the user's (foreach, fused) per group while engaged
         self._hooks = [
-            optimizer.register_step_post_hook(self._release),
+            optimizer.register_step_post_hook(self.release),
             optimizer.register_load_state_dict_post_hook(self._loaded),
             optimizer.register_state_dict_post_hook(self._state_dict),
         ]
@@ -88,7 +88,8 @@ class FusedRoute:
             self._placed = True
             self._move_counters(to_host=False)
 
-    def _release(self, *_: Any) -> None:
+    def release(self, *_: Any) -> None:
+        """Put the user's flags back (the step post-hook; also called before a step, after one that raised)."""
         for group, (foreach, fused) in zip(self.optimizer.param_groups, self._flags, strict=False):
             group["foreach"], group["fused"] = foreach, fused
         self._flags = []
@@ -125,7 +126,7 @@ class FusedRoute:
 
     def remove(self) -> None:
         """Stop routing: the user's flags back (after a step that raised), step counters back on the host."""
-        self._release()
+        self.release()
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -141,9 +142,16 @@ def fused_kernel_can_skip(optimizer: Optimizer, params: list[Tensor]) -> bool:
     step would keep garbage as momentum. It also takes no group in which some buffers are missing (a parameter
     stepping for the first time). Both need the verdict on the host; every other case skips on the device.
     """
-    if isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum", 0) for g in optimizer.param_groups):
-        return all("momentum_buffer" in optimizer.state.get(p, {}) for p in params)
-    return True
+    if not isinstance(optimizer, torch.optim.SGD):
+        return True
+    stepping = set(map(id, params))
+    return all(
+        "momentum_buffer" in optimizer.state.get(p, {})
+        for group in optimizer.param_groups
+        if group.get("momentum", 0)
+        for p in group["params"]
+        if id(p) in stepping
+    )
 
 
 def _host_counter_dtype() -> torch.dtype:
@@ -170,7 +178,6 @@ class MaskedStep:
         self._slots: list[tuple[Tensor, str]] = []  # (parameter, state key) of every state tensor backed up
         self._backup: list[Tensor] = []
         self._bad: Tensor | None = None
-        self._checked: tuple[int, ...] | None = None  # the parameters whose state last passed why_not
         self._hook = optimizer.register_step_post_hook(self._after_step)
 
     @property
@@ -183,12 +190,9 @@ class MaskedStep:
 
         Every parameter must have its state already (a first step creates it: the verdict is read on the host then)
         and every state value must be a tensor on ``device``: a counter kept on the host (torch's optimizers without
-        ``capturable=True``) or a Python number changes on the host, where no device flag can undo it. Checked again
-        only when the parameters stepping change.
+        ``capturable=True``) or a Python number changes on the host, where no device flag can undo it. Checked every
+        step: the state may be cleared or reloaded during a fit.
         """
-        ids = tuple(map(id, params))
-        if ids == self._checked:
-            return None
         for param in params:
             state = self.optimizer.state.get(param)
             if not state:
@@ -201,7 +205,6 @@ class MaskedStep:
                         f"its state {key!r} is kept on {value.device.type} (construct it with capturable=True where it "
                         "has that option)"
                     )
-        self._checked = ids
         return None
 
     def arm(self, params: list[Tensor], bad: Tensor) -> None:
@@ -213,6 +216,11 @@ class MaskedStep:
         with torch.no_grad():
             compat.foreach_copy_(self._backup, [t.detach() for t in live])
         self._params, self._slots, self._bad = params, slots, bad
+
+    def disarm(self) -> None:
+        """Forget an armed verdict whose step never ran its post-hook (it raised): called before each step."""
+        self._bad = None
+        self._params, self._slots = [], []
 
     def _after_step(self, optimizer: Optimizer, *_: Any) -> None:
         if self._bad is None:
