@@ -2,7 +2,8 @@
 
 NaNSkip alone, NaNSkip with spike detection (``spike_zscore=6``), the same with rollback snapshots every 10 steps
 (whose cost falls on one step in 10: the ratios use the mean step time, not the median), and NaNSkip with
-GradientClipping (norm, z-score).
+GradientClipping (norm, z-score). On the CPU z-score clipping keeps its statistics as host numbers;
+``nanskip+clip_zscore_device`` runs the tensor arithmetic an accelerator runs instead, to show what it costs.
 
 One process, the MLP of shared/FACTS.md (1024-1024-1024-10) with a BatchNorm after each hidden layer (so NaNSkip
 has running statistics to guard), batch 64 so that a CPU step takes well over 10 ms, SGD with momentum, 1 thread.
@@ -26,7 +27,15 @@ import time
 
 from _common import describe_machine, ratio_row, run_worker, single_process_arguments, write_rows
 
-CONFIGS = ("none", "nanskip", "nanskip+spikes", "nanskip+rollback", "nanskip+clip_norm", "nanskip+clip_zscore")
+CONFIGS = (
+    "none",
+    "nanskip",
+    "nanskip+spikes",
+    "nanskip+rollback",
+    "nanskip+clip_norm",
+    "nanskip+clip_zscore",
+    "nanskip+clip_zscore_device",
+)
 RESULT_PREFIX = "CALLBACK_OVERHEAD_RESULT "
 
 
@@ -82,7 +91,12 @@ def worker(name: str, args: argparse.Namespace) -> None:
         else:
             callbacks.append(NaNSkip())
     if "+clip" in name:
-        mode = name.split("_")[-1]
+        mode = name.split("+clip_")[-1].removesuffix("_device")
+        if name.endswith("_device"):
+            # the tensor arithmetic an accelerator runs, here on the CPU (whose statistics are otherwise host numbers)
+            from lightning_mgpu.utilities.clip_grad import GradNormStatistics
+
+            GradNormStatistics._host_device_types = ()
         callbacks.append(GradientClipping(mode=mode, **({"max_norm": 1.0} if mode == "norm" else {})))
     hook_seconds = {type(callback).__name__: 0.0 for callback in callbacks}
 

@@ -26,7 +26,7 @@ from lightning_mgpu.callbacks._step_verdict import clear_step_verdicts, step_is_
 from lightning_mgpu.utilities.clip_grad import (
     GradNormStatistics,
     adaptive_clip_grads_,
-    scale_grads_,
+    scale_to_max_norm_,
     total_grad_norm,
     zscore_clip_grads_,
 )
@@ -58,8 +58,10 @@ class GradientClipping(Callback):
     """Clip gradients before every optimizer step, and log their norm.
 
     Runs in ``on_before_optimizer_step``: after Lightning has unscaled AMP gradients, before the optimizer step,
-    once per optimizer step (with gradient accumulation, on the accumulated gradients). Every decision is made on
-    the device, so it adds no host-device synchronisation.
+    once per optimizer step (with gradient accumulation, on the accumulated gradients). On an accelerator every
+    decision is made on the device, so it adds no host-device synchronisation. On the CPU, where reading a value is
+    a memory load, ``norm`` and ``zscore`` read the norm and skip the pass over the gradients on a step they do not
+    clip.
 
     - ``mode="norm"``: scale all gradients so that their total ``norm_type``-norm is at most ``max_norm``; the same
       parameters as ``Trainer(gradient_clip_val=max_norm, gradient_clip_algorithm="norm")``.
@@ -256,7 +258,7 @@ class GradientClipping(Callback):
         norms = gradient_norms(optimizer, params, step)
         norm = torch.linalg.vector_norm(norms) if self.norm_type == 2.0 else total_grad_norm(grads, self.norm_type)
         if self.mode == "norm":
-            scale_grads_(grads, torch.clamp(self.options["max_norm"] / (norm + 1e-6), max=1.0))
+            scale_to_max_norm_(grads, norm, self.options["max_norm"])
             return norm, None
         if self.mode == "zscore":
             # NaNSkip's verdict, taken now if it has not been (before these gradients are scaled)

@@ -66,8 +66,26 @@ def clip_grads_by_norm_(grads: Sequence[Tensor], max_norm: float, norm_type: flo
         tensor([0.6000, 0.8000])
     """
     norm = total_grad_norm(grads, norm_type)
-    scale_grads_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    scale_to_max_norm_(grads, norm, max_norm)
     return norm
+
+
+def scale_to_max_norm_(grads: Sequence[Tensor], norm: Tensor, max_norm: float) -> None:
+    """Scale ``grads``, whose total norm is ``norm``, by ``torch.clamp(max_norm / (norm + 1e-6), max=1.0)``.
+
+    On an accelerator, always, with no host read. On the CPU, where reading the coefficient is a memory load and not
+    a synchronisation, the pass over the gradients is saved on a step whose coefficient is 1 (multiplying by 1.0
+    changes nothing): the same gradients, bit for bit.
+
+    Args:
+        grads: the gradients.
+        norm: their total norm (0-dim).
+        max_norm: the largest allowed total norm.
+    """
+    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    if norm.device.type == "cpu" and float(coefficient) >= 1.0:  # a NaN coefficient is applied, as torch does
+        return
+    scale_grads_(grads, coefficient)
 
 
 def unitwise_norm(tensor: Tensor) -> Tensor:
@@ -117,12 +135,17 @@ def adaptive_clip_grads_(params: Sequence[Tensor], clip_factor: float = 0.01, ep
 
 
 class GradNormStatistics:
-    """Running mean and variance of the total gradient norm, kept on the device, for z-score clipping.
+    """Running mean and variance of the total gradient norm, for z-score clipping, kept where the gradients are.
 
     The weight of a new observation is ``max(1 - decay, 1 / n)`` for the n-th: an exact average while few
     norms have been seen, an exponential moving average afterwards. A non-finite norm changes nothing, not even the
-    count, so a step that another callback skips for NaN leaves no trace, whatever the callbacks' order. Count,
-    mean and variance all live on the device: nothing here reads a value on the host.
+    count, so a step that another callback skips for NaN leaves no trace, whatever the callbacks' order.
+
+    On an accelerator, count, mean and variance are 0-dim float32 tensors on the device, updated by ten small device
+    ops a step: nothing here reads a value on the host. On the CPU the device is the host, so they are plain Python
+    numbers (double precision), and a norm is read as one (a memory load, not a synchronisation: what
+    ``torch.optim`` does with its CPU step counts). Ten tensor ops cost the CPU 50-100 us a step in a training loop
+    (dispatch, not arithmetic); the numbers cost a few.
 
     Args:
         decay: weight of the past in the moving average, in (0, 1).
@@ -136,21 +159,43 @@ class GradNormStatistics:
         >>> stats = GradNormStatistics(decay=0.9)
         >>> for norm in (1.0, 3.0):
         ...     stats.update(torch.tensor(norm))
-        >>> stats.mean, stats.var
-        (tensor(2.), tensor(1.))
+        >>> float(stats.mean), float(stats.var)
+        (2.0, 1.0)
     """
+
+    # device types whose statistics are host numbers; tests empty it to run the device arithmetic on the CPU
+    _host_device_types: tuple[str, ...] = ("cpu",)
 
     def __init__(self, decay: float = 0.97) -> None:
         check_number(type(self).__name__, "decay", decay, 0.0, 1.0, min_inclusive=False, max_inclusive=False)
         self.decay = decay
-        self.count = torch.zeros((), dtype=torch.long)
-        self.mean = torch.zeros(())
-        self.var = torch.zeros(())
+        # host numbers until the first norm comes from an accelerator. On a device, float32 like the mean: no dtype
+        # conversion per step, exact up to 2**24 accepted norms (where it stops counting; the weight is 1 - decay
+        # long before that)
+        self.count: Tensor | float = 0.0
+        self.mean: Tensor | float = 0.0
+        self.var: Tensor | float = 0.0
+
+    @property
+    def on_host(self) -> bool:
+        """Whether the statistics are host numbers (the gradients are on the CPU) rather than device tensors."""
+        return not isinstance(self.mean, Tensor)
 
     def to(self, device: torch.device) -> None:
-        """Keep the statistics on ``device`` (the gradients'); a no-op where they are already."""
-        if self.mean.device != device:
-            self.count, self.mean, self.var = self.count.to(device), self.mean.to(device), self.var.to(device)
+        """Keep the statistics where ``device``'s gradients need them; a no-op where they are already.
+
+        A move reads the statistics once (from the device when they leave one).
+        """
+        host = device.type in self._host_device_types
+        if host == self.on_host and (host or self.mean.device == device):
+            return
+        values = (float(self.count), float(self.mean), float(self.var))
+        if host:
+            self.count, self.mean, self.var = values
+        else:
+            self.count, self.mean, self.var = (
+                torch.tensor(value, dtype=torch.float32, device=device) for value in values
+            )
 
     def update(self, norm: Tensor, accept: Tensor | None = None) -> None:
         """Fold one observed norm into the statistics; a NaN or Inf, or a norm ``accept`` turns down, changes nothing.
@@ -161,20 +206,47 @@ class GradNormStatistics:
                 norm is left out either way.
         """
         self.to(norm.device)
+        if self.on_host:
+            value = float(norm)
+            self._fold_number(value, math.isfinite(value) and (accept is None or bool(accept)))
+            return
         norm = norm.float()
         finite = torch.isfinite(norm)
-        accept = finite if accept is None else finite & accept
-        # every step a handful of 0-dim ops (about 30 small ops per step cost z-score clipping 3% of a CPU step): a
-        # weight of 0 leaves the mean and the variance exactly as they were, and delta is 0 where a NaN would be
-        count = self.count + accept
-        weight = torch.where(accept, torch.clamp(count.float().reciprocal(), min=1.0 - self.decay), 0.0)  # count >= 1
-        delta = torch.where(accept, norm - self.mean, 0.0)
-        self.mean = torch.addcmul(self.mean, weight, delta)
-        self.var = (1.0 - weight) * torch.addcmul(self.var, weight * delta, delta)
-        self.count = count
+        self._fold(norm, finite if accept is None else finite & accept)
 
-    def threshold(self, z_threshold: float, warmup_steps: int) -> Tensor:
-        """``mean + z_threshold * std``, or ``inf`` while fewer than ``warmup_steps`` norms have been seen."""
+    def _fold(self, value: Tensor, accept: Tensor) -> None:
+        """:meth:`update` on the device, for a float32 ``value`` known finite wherever ``accept`` (a boolean) is true.
+
+        Ten small device ops: a weight of 0 leaves the mean and the variance exactly as they were, and a value left
+        out is replaced by the mean, so no NaN or Inf reaches the arithmetic.
+        """
+        count = self.count + accept
+        # max(1 / n, 1 - decay) for the n-th accepted norm; a count still at 0 gives 1 / 0 = inf, clamped to 1, times 0
+        weight = torch.clamp(count.reciprocal(), min=1.0 - self.decay, max=1.0) * accept
+        value = torch.where(accept, value, self.mean)
+        delta = value - self.mean
+        mean = torch.addcmul(self.mean, weight, delta)
+        # (1 - w) * (var + w * delta**2), written with the deviation from the new mean, (1 - w) * delta
+        self.var = torch.lerp(self.var, delta * (value - mean), weight)
+        self.mean, self.count = mean, count
+
+    def _fold_number(self, value: float, accept: bool) -> None:
+        """:meth:`_fold` on the host: the same arithmetic on Python numbers."""
+        if not accept:
+            return
+        self.count += 1
+        weight = max(1.0 / self.count, 1.0 - self.decay)
+        delta = value - self.mean
+        self.mean += weight * delta
+        self.var += weight * (delta * (value - self.mean) - self.var)
+
+    def threshold(self, z_threshold: float, warmup_steps: int) -> Tensor | float:
+        """``mean + z_threshold * std``, or ``inf`` while fewer than ``warmup_steps`` norms have been seen.
+
+        A device tensor, or a number where the statistics are host numbers.
+        """
+        if self.on_host:
+            return self.mean + z_threshold * math.sqrt(self.var) if self.count >= warmup_steps else math.inf
         return torch.where(
             self.count >= warmup_steps, torch.add(self.mean, self.var.sqrt(), alpha=z_threshold), math.inf
         )
@@ -185,10 +257,14 @@ class GradNormStatistics:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore from :meth:`state_dict`; missing keys keep their current values."""
-        device = self.mean.device
-        self.count = torch.tensor(int(state.get("count", self.count)), dtype=torch.long, device=device)
-        self.mean = torch.tensor(float(state.get("mean", self.mean)), device=device)
-        self.var = torch.tensor(float(state.get("var", self.var)), device=device)
+        values = (float(int(state.get("count", self.count))), float(state.get("mean", self.mean)))
+        values += (float(state.get("var", self.var)),)
+        if self.on_host:
+            self.count, self.mean, self.var = values
+        else:
+            self.count, self.mean, self.var = (
+                torch.tensor(value, dtype=torch.float32, device=self.mean.device) for value in values
+            )
 
 
 def zscore_clip_grads_(
@@ -203,7 +279,8 @@ def zscore_clip_grads_(
     """Clip ``grads`` to ``mean + z * std`` of recent total norms once ``warmup_steps`` norms have been seen.
 
     The statistics are then updated with the norm after clipping, so that one spike does not inflate them, unless
-    the step is ``skipped``. Whether warm-up is over is decided on the device too.
+    the step is ``skipped``. Whether warm-up is over is decided on the device too. On the CPU, where the statistics
+    are host numbers (see :class:`GradNormStatistics`), the gradients are scaled only on a step that is clipped.
 
     Args:
         grads: the gradients.
@@ -224,9 +301,21 @@ def zscore_clip_grads_(
     """
     norm = total_grad_norm(grads, norm_type) if norm is None else norm
     stats.to(norm.device)
+    if stats.on_host:  # CPU gradients: the norm and the verdict are host memory, read without a synchronisation
+        value = float(norm)
+        threshold = stats.threshold(z_threshold, warmup_steps)
+        finite = math.isfinite(value)
+        coefficient = threshold / (value + 1e-6) if finite else 1.0  # a non-finite norm is NaNSkip's business
+        if coefficient < 1.0:  # multiplying by 1.0 would change nothing, so that pass over the gradients is saved
+            scale_grads_(grads, torch.tensor(coefficient, dtype=torch.float32))
+        # a non-finite norm, or a skipped step's, is left out; a norm taken in is recorded clipped
+        stats._fold_number(min(value, threshold), finite and not (skipped is not None and bool(skipped)))
+        return norm, torch.tensor(threshold)
+    norm = norm.float()
     finite = torch.isfinite(norm)
     threshold = stats.threshold(z_threshold, warmup_steps)
     scale_grads_(grads, torch.where(finite, torch.clamp(threshold / (norm + 1e-6), max=1.0), 1.0))
-    # min(inf, threshold) is finite: a non-finite norm is left out by what it was, as is a skipped step's
-    stats.update(torch.minimum(norm, threshold), finite if skipped is None else finite & ~skipped)
+    # finite and not skipped: for booleans, finite > skipped in one op. A norm left out may be NaN or Inf (the
+    # statistics replace it); one taken in is finite, and so is its minimum with the threshold
+    stats._fold(torch.minimum(norm, threshold), finite if skipped is None else torch.gt(finite, skipped))
     return norm, threshold

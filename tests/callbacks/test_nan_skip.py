@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch import Callback, Trainer
 
 from lightning_mgpu import GradientClipping, MultiGPUStrategy, NaNSkip, NonFiniteStepsError
+from lightning_mgpu.utilities.clip_grad import GradNormStatistics
 from tests.helpers.models import BatchNormClassifier, RankStateDump, finished_fits_survive_exit_aborts, load_rank_dumps
 from tests.helpers.processes import run_script
 from tests.helpers.trainer import QUIET, RecordingLogger
@@ -116,9 +117,14 @@ def test_counters_resume_from_a_checkpoint(tmp_path):
     assert resumed.optimizer_steps == STEPS + 2
 
 
+@pytest.mark.parametrize("arithmetic", ["host", "device"])
 @pytest.mark.parametrize("order", ["skip_first", "clip_first"])
-def test_same_result_in_either_order_with_gradient_clipping(tmp_path, order):
-    # z = 0.5 after 1 step of warm-up: most later steps are clipped, so the statistics shape the weights
+def test_same_result_in_either_order_with_gradient_clipping(tmp_path, monkeypatch, order, arithmetic):
+    # z = 0.5 after 1 step of warm-up: most later steps are clipped, so the statistics shape the weights. The
+    # statistics are host numbers on the CPU; "device" runs the tensor arithmetic accelerators use
+    if arithmetic == "device":
+        monkeypatch.setattr(GradNormStatistics, "_host_device_types", ())
+
     def zscore():
         return GradientClipping(mode="zscore", warmup_steps=1, z_threshold=0.5)
 

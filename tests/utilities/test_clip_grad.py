@@ -11,6 +11,7 @@ from lightning_mgpu.utilities.clip_grad import (
     unitwise_norm,
     zscore_clip_grads_,
 )
+from tests.helpers.runif import run_if
 
 
 def test_total_norm_by_hand():
@@ -62,7 +63,15 @@ def test_adaptive_clipping_by_hand():
     torch.testing.assert_close(bias.grad, torch.tensor([0.0, 0.1]))
 
 
-def test_norm_statistics_are_exact_then_exponential():
+@pytest.fixture(params=["host", "device"])
+def arithmetic(request, monkeypatch):
+    """Run a test with the CPU's host-number statistics, and again with the device arithmetic accelerators use."""
+    if request.param == "device":
+        monkeypatch.setattr(GradNormStatistics, "_host_device_types", ())
+    return request.param
+
+
+def test_norm_statistics_are_exact_then_exponential(arithmetic):
     stats = GradNormStatistics(decay=0.5)
     for value in (1.0, 3.0):
         stats.update(torch.tensor(value))
@@ -74,9 +83,10 @@ def test_norm_statistics_are_exact_then_exponential():
     restored = GradNormStatistics(decay=0.5)
     restored.load_state_dict(stats.state_dict())
     assert int(restored.count) == 3 and float(restored.mean) == pytest.approx(3.5) and float(restored.var) == 2.75
+    assert stats.on_host == (arithmetic == "host")  # where the norms were; a restored copy moves on its first norm
 
 
-def test_zscore_clipping_by_hand():
+def test_zscore_clipping_by_hand(arithmetic):
     stats = GradNormStatistics(decay=0.9)
     for value in (1.0, 3.0):  # warm-up: statistics only, gradients untouched
         grads = [torch.tensor([value])]
@@ -96,3 +106,70 @@ def test_zscore_clipping_by_hand():
     grads = [torch.tensor([1.0])]
     zscore_clip_grads_(grads, stats, z_threshold=2.0, warmup_steps=2)
     assert float(grads[0]) == 1.0
+
+
+def test_host_and_device_statistics_agree_step_by_step(monkeypatch):
+    # the same 300 norms, NaN, Inf and skipped steps among them, through both arithmetics: the same gradients (to
+    # float32 rounding), the same decisions to clip, the same statistics; the host path scales only clipped steps
+    generator = torch.Generator().manual_seed(0)
+    sequence = []
+    for step in range(300):
+        values = torch.randn(3, 4, generator=generator) * (1.0 + 4.0 * float(torch.rand((), generator=generator)))
+        if step % 37 == 5:
+            values[0, 0] = float("nan")
+        elif step % 41 == 7:
+            values[1, 2] = float("inf")
+        sequence.append((values, torch.tensor(step % 29 == 3)))
+
+    def run() -> tuple[GradNormStatistics, list[torch.Tensor], list[float]]:
+        stats, grads, thresholds = GradNormStatistics(decay=0.9), [], []
+        for values, skipped in sequence:
+            grad = values.clone()
+            _, threshold = zscore_clip_grads_([grad], stats, z_threshold=1.5, warmup_steps=5, skipped=skipped)
+            grads.append(grad)
+            thresholds.append(float(threshold))
+        return stats, grads, thresholds
+
+    host, host_grads, host_thresholds = run()
+    assert host.on_host
+    monkeypatch.setattr(GradNormStatistics, "_host_device_types", ())
+    device, device_grads, device_thresholds = run()
+    assert not device.on_host and isinstance(device.mean, torch.Tensor)
+    taken = sum(bool(values.isfinite().all()) and not bool(skipped) for values, skipped in sequence)
+    assert host.state_dict()["count"] == device.state_dict()["count"] == taken > 250
+    assert host.state_dict() == pytest.approx(device.state_dict(), rel=1e-5)
+    assert host_thresholds == pytest.approx(device_thresholds, rel=1e-5)
+    clipped = 0
+    for (values, _), ours, theirs in zip(sequence, host_grads, device_grads, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=0, equal_nan=True)
+        clipped += not torch.equal(ours.nan_to_num(), values.nan_to_num())
+    assert 20 < clipped < 150  # the threshold bites on some steps, not on all
+
+
+def test_clip_to_max_norm_on_the_cpu_is_torch_bit_for_bit():
+    # the CPU reads the coefficient and skips the multiplication by 1.0: the gradients are still exactly torch's
+    for scale, max_norm in ((10.0, 2.0), (0.1, 2.0), (float("nan"), 2.0), (float("inf"), 2.0)):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(7, 5)), torch.nn.Parameter(torch.randn(5))]
+        for p in params:
+            p.grad = torch.randn_like(p) * 3.0
+        params[1].grad[0] *= scale
+        reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        for r, p in zip(reference, params, strict=True):
+            r.grad = p.grad.clone()
+        torch.nn.utils.clip_grad_norm_(reference, max_norm)
+        clip_grads_by_norm_([p.grad for p in params], max_norm)
+        for p, r in zip(params, reference, strict=True):
+            assert torch.equal(p.grad.nan_to_num(), r.grad.nan_to_num()), scale
+            assert torch.equal(p.grad.isnan(), r.grad.isnan()), scale
+
+
+@run_if(min_cuda_gpus=1)
+def test_statistics_on_a_gpu_are_device_tensors_equal_to_the_host_numbers():
+    norms = [1.0, 3.0, float("nan"), 2.0, 40.0, 2.5]
+    host, device = GradNormStatistics(decay=0.9), GradNormStatistics(decay=0.9)
+    for norm in norms:
+        for stats, where in ((host, "cpu"), (device, "cuda")):
+            zscore_clip_grads_([torch.tensor([norm], device=where)], stats, z_threshold=2.0, warmup_steps=2)
+    assert device.mean.device.type == "cuda" and host.on_host
+    assert host.state_dict() == pytest.approx(device.state_dict(), rel=1e-5)
