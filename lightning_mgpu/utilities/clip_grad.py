@@ -141,11 +141,11 @@ class GradNormStatistics:
     norms have been seen, an exponential moving average afterwards. A non-finite norm changes nothing, not even the
     count, so a step that another callback skips for NaN leaves no trace, whatever the callbacks' order.
 
-    On an accelerator, count, mean and variance are 0-dim float32 tensors on the device, updated by ten small device
-    ops a step: nothing here reads a value on the host. On the CPU the device is the host, so they are plain Python
-    numbers (double precision), and a norm is read as one (a memory load, not a synchronisation: what
-    ``torch.optim`` does with its CPU step counts). Ten tensor ops cost the CPU 50-100 us a step in a training loop
-    (dispatch, not arithmetic); the numbers cost a few.
+    On an accelerator, count, mean and variance are 0-dim float32 tensors on the device, updated by eleven small
+    device ops a step: nothing here reads a value on the host. On the CPU the device is the host, so they are plain
+    Python numbers (double precision), and a norm is read as one (a memory load, not a synchronisation: what
+    ``torch.optim`` does with its CPU step counts). Eleven tensor ops cost the CPU 50-100 us a step in a training
+    loop (dispatch, not arithmetic); the numbers cost a few.
 
     Args:
         decay: weight of the past in the moving average, in (0, 1).
@@ -217,7 +217,7 @@ class GradNormStatistics:
     def _fold(self, value: Tensor, accept: Tensor) -> None:
         """:meth:`update` on the device, for a float32 ``value`` known finite wherever ``accept`` (a boolean) is true.
 
-        Ten small device ops: a weight of 0 leaves the mean and the variance exactly as they were, and a value left
+        Eleven small device ops: a weight of 0 leaves the mean and the variance exactly as they were, and a value left
         out is replaced by the mean, so no NaN or Inf reaches the arithmetic.
         """
         count = self.count + accept
@@ -225,10 +225,10 @@ class GradNormStatistics:
         weight = torch.clamp(count.reciprocal(), min=1.0 - self.decay, max=1.0) * accept
         value = torch.where(accept, value, self.mean)
         delta = value - self.mean
-        mean = torch.addcmul(self.mean, weight, delta)
-        # (1 - w) * (var + w * delta**2), written with the deviation from the new mean, (1 - w) * delta
-        self.var = torch.lerp(self.var, delta * (value - mean), weight)
-        self.mean, self.count = mean, count
+        # (1 - w) * (var + w * delta**2): a variance that overflowed stays inf (clipping off) rather than NaN, and the
+        # first accepted norm gives exactly 0
+        self.var = (1.0 - weight) * torch.addcmul(self.var, weight * delta, delta)
+        self.mean, self.count = torch.addcmul(self.mean, weight, delta), count
 
     def _fold_number(self, value: float, accept: bool) -> None:
         """:meth:`_fold` on the host: the same arithmetic on Python numbers."""
@@ -237,8 +237,8 @@ class GradNormStatistics:
         self.count += 1
         weight = max(1.0 / self.count, 1.0 - self.decay)
         delta = value - self.mean
+        self.var = (1.0 - weight) * (self.var + weight * delta * delta)
         self.mean += weight * delta
-        self.var += weight * (delta * (value - self.mean) - self.var)
 
     def threshold(self, z_threshold: float, warmup_steps: int) -> Tensor | float:
         """``mean + z_threshold * std``, or ``inf`` while fewer than ``warmup_steps`` norms have been seen.
@@ -311,11 +311,11 @@ def zscore_clip_grads_(
         # a non-finite norm, or a skipped step's, is left out; a norm taken in is recorded clipped
         stats._fold_number(min(value, threshold), finite and not (skipped is not None and bool(skipped)))
         return norm, torch.tensor(threshold)
-    norm = norm.float()
-    finite = torch.isfinite(norm)
+    value = norm.float()
+    finite = torch.isfinite(value)
     threshold = stats.threshold(z_threshold, warmup_steps)
-    scale_grads_(grads, torch.where(finite, torch.clamp(threshold / (norm + 1e-6), max=1.0), 1.0))
+    scale_grads_(grads, torch.where(finite, torch.clamp(threshold / (value + 1e-6), max=1.0), 1.0))
     # finite and not skipped: for booleans, finite > skipped in one op. A norm left out may be NaN or Inf (the
     # statistics replace it); one taken in is finite, and so is its minimum with the threshold
-    stats._fold(torch.minimum(norm, threshold), finite if skipped is None else torch.gt(finite, skipped))
+    stats._fold(torch.minimum(value, threshold), finite if skipped is None else torch.gt(finite, skipped))
     return norm, threshold

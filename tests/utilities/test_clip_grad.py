@@ -173,3 +173,17 @@ def test_statistics_on_a_gpu_are_device_tensors_equal_to_the_host_numbers():
             zscore_clip_grads_([torch.tensor([norm], device=where)], stats, z_threshold=2.0, warmup_steps=2)
     assert device.mean.device.type == "cuda" and host.on_host
     assert host.state_dict() == pytest.approx(device.state_dict(), rel=1e-5)
+
+
+def test_an_overflowing_variance_turns_clipping_off_and_never_gives_nan(arithmetic):
+    # a max-norm of 1e25 in float32: its square overflows the variance to inf. Clipping is then off (threshold inf),
+    # the gradients untouched, never NaN, and the statistics recover no NaN; the host, in double precision, stays
+    # finite and clips
+    stats = GradNormStatistics(decay=0.97)
+    for step, size in enumerate([1.0, 1.0, 1.0, 1e25, 1.0, 1.0, 1.0, 1e3]):
+        grad = torch.tensor([size, -size])
+        zscore_clip_grads_([grad], stats, z_threshold=2.0, warmup_steps=5, norm_type=math.inf)
+        assert not grad.isnan().any(), step
+        assert not math.isnan(float(stats.mean)) and not math.isnan(float(stats.var)), step
+    if arithmetic == "device":
+        assert float(stats.var) == math.inf and float(grad[0]) == 1e3  # off: the last norm passes unclipped
