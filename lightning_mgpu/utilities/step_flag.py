@@ -1,0 +1,159 @@
+"""Numbers every rank agrees on each step, carried by the gradient all-reduce DDP runs anyway.
+
+A rank that must tell the others something about the step under way (it ran out of memory, say) would need a
+collective of its own, and reading its result on the host is a synchronisation per step. Here the message rides in
+the step's last gradient bucket instead: the hook reduces that bucket with a few more elements, the ranks'
+contributions, so the sums arrive on the device, on every rank, with the gradients, at the cost of no extra
+collective and no host read.
+
+The hooks are the pack's plain gradient averaging, bit for bit what DDP's built-in reduction and torch's
+``fp16_compress_hook`` / ``bf16_compress_hook`` compute (the buckets in the same order, one all-reduce each); only the
+last bucket's message is longer. The last bucket is the one DDP hands over last in every backward pass, the bucket
+holding the first layers' gradients, so a rank can still set its contribution during the backward.
+
+Example::
+
+    flag = StepFlag(slots=2, process_group=ddp_model.process_group)
+    register_flagged_hook(ddp_model, flag, "mean")
+    flag.set(0, 1)  # this rank's contribution to the next step's slot 0
+    loss.backward()  # flag.reduced: the sums over ranks, on the device
+"""
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_mgpu.utilities.validation import check_choice, check_int
+
+FlaggedHookName = Literal["mean", "fp16", "bf16"]
+FLAGGED_HOOK_NAMES: tuple[str, ...] = ("mean", "fp16", "bf16")
+_WIRE_DTYPES: dict[str, torch.dtype | None] = {"mean": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+# contributions travel in the bucket's dtype: integers up to 256 are exact in bfloat16, the narrowest
+MAX_CONTRIBUTION = 256
+
+
+class StepFlag:
+    """Per-process state of a flag-carrying hook: this rank's contributions and the sums over ranks.
+
+    Contributions set with :meth:`set` go out with the next bucket DDP marks as last, and are then reset to 0, so
+    each counts for one backward pass. After that backward, :attr:`reduced` holds the sums over ranks of every slot:
+    a device tensor, in the dtype the bucket travelled in, that nothing here reads on the host.
+
+    Args:
+        slots: how many numbers each rank contributes per step, at least 1.
+        process_group: the group the gradients are averaged over; ``None`` for the default group.
+
+    Raises:
+        TypeError: a ``slots`` that is not an int.
+        ValueError: a ``slots`` below 1.
+    """
+
+    def __init__(self, slots: int = 2, process_group: Any = None) -> None:
+        check_int(type(self).__name__, "slots", slots, minimum=1)
+        self.slots = slots
+        self.process_group = process_group
+        self._local = [0] * slots
+        self.reduced: Tensor | None = None
+        self.reductions = 0  # backward passes whose last bucket carried the contributions
+
+    def set(self, slot: int, value: int) -> None:
+        """Make ``value`` this rank's contribution to ``slot`` in the next reduction.
+
+        Raises:
+            TypeError: a slot or value that is not an int.
+            ValueError: a slot out of range, or a value outside [0, 256] (exact in every bucket dtype).
+        """
+        owner = f"{type(self).__name__}.set"
+        check_int(owner, "slot", slot, minimum=0, maximum=self.slots - 1)
+        check_int(owner, "value", value, minimum=0, maximum=MAX_CONTRIBUTION)
+        self._local[slot] = value
+
+    @property
+    def pending(self) -> tuple[int, ...]:
+        """This rank's contributions to the next reduction."""
+        return tuple(self._local)
+
+    def _take(self) -> list[int]:
+        local, self._local = self._local, [0] * self.slots
+        return local
+
+
+def flagged_hook(name: FlaggedHookName) -> Callable[[StepFlag, dist.GradBucket], torch.futures.Future[Tensor]]:
+    """The DDP communication hook ``name`` that carries a :class:`StepFlag` in the last bucket.
+
+    ``"mean"`` divides each bucket by the world size and all-reduces the sum, as DDP's built-in reduction does;
+    ``"fp16"`` and ``"bf16"`` first cast it to that dtype, as torch's compress hooks do. The gradients are the same,
+    bit for bit. The last bucket is reduced out of place, in a buffer ``slots`` elements longer.
+
+    Args:
+        name: one of :data:`FLAGGED_HOOK_NAMES`.
+
+    Raises:
+        ValueError: an unknown ``name``.
+    """
+    check_choice("flagged_hook", "name", name, FLAGGED_HOOK_NAMES)
+    wire = _WIRE_DTYPES[name]
+
+    def hook(flag: StepFlag, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+        group = flag.process_group
+        world_size = dist.get_world_size(group)
+        buffer = bucket.buffer()
+        last = bucket.is_last()
+        if not last and wire is None:
+            sent = buffer.div_(world_size)
+        else:
+            size = buffer.numel()
+            sent = buffer.new_empty(size + (flag.slots if last else 0), dtype=wire or buffer.dtype)
+            if wire is None:
+                torch.div(buffer, world_size, out=sent[:size])  # the division, into the longer buffer
+            else:
+                sent[:size].copy_(buffer).div_(world_size)  # cast first, then divide: torch's compress hooks
+            if last:
+                _write_contributions(sent[size:], flag._take())
+        future = dist.all_reduce(sent, group=group, async_op=True).get_future()
+
+        def unpack(done: torch.futures.Future) -> Tensor:
+            reduced = done.value()[0]
+            if last:
+                flag.reduced = reduced[buffer.numel() :]
+                flag.reductions += 1
+            if reduced is buffer:
+                return buffer
+            if wire is None:
+                return reduced[: buffer.numel()]  # DDP copies it into the gradients
+            return buffer.copy_(reduced[: buffer.numel()])  # back to the gradients' dtype
+
+        return future.then(unpack)
+
+    return hook
+
+
+def _write_contributions(slots: Tensor, values: list[int]) -> None:
+    """Fill the slots with device fills only: a copy from host memory could wait on the device."""
+    if not any(values):
+        slots.zero_()
+        return
+    for index, value in enumerate(values):
+        slots[index].fill_(value)
+
+
+def register_flagged_hook(
+    model: DistributedDataParallel,
+    flag: StepFlag,
+    name: FlaggedHookName = "mean",
+    wrap: Callable[[Callable], Callable] | None = None,
+) -> None:
+    """Register :func:`flagged_hook` ``name`` on ``model``, with ``flag`` as its state.
+
+    Args:
+        model: the wrapped model; a hook can be registered once per model, before its first backward.
+        flag: the state; its process group should be the model's.
+        name: one of :data:`FLAGGED_HOOK_NAMES`.
+        wrap: wraps the hook before it is registered (the performance monitor times buckets this way).
+    """
+    hook = flagged_hook(name)
+    model.register_comm_hook(flag, wrap(hook) if wrap else hook)

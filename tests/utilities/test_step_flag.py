@@ -1,0 +1,166 @@
+"""The flag-carrying DDP hooks: DDP's own gradients, the ranks' numbers summed, and no collective more."""
+
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.profiler import ProfilerActivity, profile
+
+from lightning_mgpu.utilities.comm_hooks import register_comm_hook
+from lightning_mgpu.utilities.step_flag import FLAGGED_HOOK_NAMES, StepFlag, register_flagged_hook
+from tests.helpers.processes import run_processes
+
+WORLD_SIZE = 2
+STEPS = 7
+TINY_BUCKETS_MB = 0.0001  # a bucket per parameter after the rebuild (one before it)
+# (step, rank, slot, value): what each rank contributes, and when
+RAISED = [(0, 1, 1, 1), (3, 1, 0, 1), (4, 0, 1, 2), (4, 1, 1, 1), (6, 0, 0, 1)]
+# set during the backward, once the later layers' buckets have gone and before the first layer's gradient exists
+RAISED_MID_BACKWARD = (5, 1, 0, 3)
+
+
+def _model(as_view: bool) -> DistributedDataParallel:
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(24, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 3))
+    return DistributedDataParallel(module, bucket_cap_mb=TINY_BUCKETS_MB, gradient_as_bucket_view=as_view)
+
+
+def _step(model: DistributedDataParallel, rank: int, step: int, flag: StepFlag | None = None) -> None:
+    generator = torch.Generator().manual_seed(100 * step + rank)
+    x, y = torch.randn(8, 24, generator=generator), torch.randint(0, 3, (8,), generator=generator)
+    for param in model.parameters():
+        param.grad = None
+    at, who, slot, value = RAISED_MID_BACKWARD
+    handle = None
+    if flag is not None and (step, rank) == (at, who):
+
+        def raise_flag(module: nn.Module, inputs: Any, output: Tensor) -> None:
+            output.register_hook(lambda grad: flag.set(slot, value))
+
+        handle = model.module[0].register_forward_hook(raise_flag)
+    try:
+        nn.functional.cross_entropy(model(x), y).backward()
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def _grads(model: DistributedDataParallel) -> list[Tensor]:
+    return [param.grad.clone() for param in model.parameters()]
+
+
+def _recording(hook: Any, seen: set[int]) -> Any:
+    """``hook``, after noting the index of each bucket it is handed (and so testing ``wrap``)."""
+
+    def recording(flag: StepFlag, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+        seen.add(bucket.index())
+        return hook(flag, bucket)
+
+    return recording
+
+
+def _flag_cases(rank: int, world_size: int) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for name in FLAGGED_HOOK_NAMES:
+        for as_view in (False, True):
+            reference, ours = _model(as_view), _model(as_view)
+            if name != "mean":  # the pack's compress hooks (torch's fp16 one; a bf16 one that works on gloo too)
+                register_comm_hook(reference, name)
+            flag = StepFlag(slots=2, process_group=ours.process_group)
+            buckets: set[int] = set()
+            register_flagged_hook(ours, flag, name, wrap=lambda hook, seen=buckets: _recording(hook, seen))
+            same, reduced = [], []
+            for step in range(STEPS):
+                for at, who, slot, value in RAISED:
+                    if at == step and who == rank:
+                        flag.set(slot, value)
+                _step(reference, rank, step)
+                _step(ours, rank, step, flag)
+                same.append(all(torch.equal(a, b) for a, b in zip(_grads(reference), _grads(ours), strict=True)))
+                reduced.append(flag.reduced.tolist())
+                assert flag.pending == (0, 0)  # taken by the last bucket
+            results[f"{name}-{as_view}"] = {
+                "same": same,
+                "reduced": reduced,
+                "reductions": flag.reductions,
+                "buckets": buckets,
+                "dtype": flag.reduced.dtype,
+            }
+    results["collectives"] = _collectives_per_step()
+    return results
+
+
+def _collectives_per_step() -> dict[str, dict[str, int]]:
+    """The collectives of one steady step, as the profiler records them (DDP's built-in ones included)."""
+    counts = {}
+    for name in ("builtin", "mean"):
+        model = _model(as_view=False)
+        if name == "mean":
+            register_flagged_hook(model, StepFlag(process_group=model.process_group), "mean")
+        for step in range(3):  # past the bucket rebuild after the first backward
+            _step(model, dist.get_rank(), step)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            _step(model, dist.get_rank(), 3)
+        counts[name] = dict(Counter(e.name for e in prof.events() if e.name.startswith("gloo:")))
+    return counts
+
+
+@pytest.fixture(scope="module")
+def flag_cases() -> list[dict[str, Any]]:
+    return run_processes(_flag_cases, WORLD_SIZE)
+
+
+def _expected_sums() -> list[list[int]]:
+    sums = [[0, 0] for _ in range(STEPS)]
+    for step, _, slot, value in [*RAISED, RAISED_MID_BACKWARD]:
+        sums[step][slot] += value
+    return sums
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("as_view", [False, True])
+@pytest.mark.parametrize("name", FLAGGED_HOOK_NAMES)
+def test_flagged_hook_gives_ddps_gradients_and_every_rank_the_sums(flag_cases, name, as_view):
+    for rank, results in enumerate(flag_cases):
+        case = results[f"{name}-{as_view}"]
+        assert all(case["same"]), (rank, case["same"])  # bit for bit, the first step (before the rebuild) included
+        assert len(case["buckets"]) >= 3  # several buckets: the flags ride in one of them only
+        assert case["reduced"] == _expected_sums(), rank
+        assert case["reductions"] == STEPS
+        assert case["dtype"] == {"mean": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
+
+
+@pytest.mark.distributed
+def test_flagged_hook_runs_no_collective_more_than_ddp(flag_cases):
+    for results in flag_cases:
+        builtin, ours = results["collectives"]["builtin"], results["collectives"]["mean"]
+        assert builtin.get("gloo:all_reduce", 0) >= 3  # the profiler does see DDP's own reduction
+        assert ours == builtin
+
+
+@pytest.mark.parametrize(
+    ("slot", "value", "error", "named"),
+    [
+        (2, 1, ValueError, "slot"),
+        (-1, 1, ValueError, "slot"),
+        (0, 257, ValueError, "value"),
+        (0, 1.0, TypeError, "value"),
+        (0, True, TypeError, "value"),
+        ("0", 1, TypeError, "slot"),
+    ],
+)
+def test_set_rejects_bad_slots_and_values(slot, value, error, named):
+    flag = StepFlag(slots=2)
+    with pytest.raises(error, match=named):
+        flag.set(slot, value)
+    assert flag.pending == (0, 0)
+
+
+@pytest.mark.parametrize(("slots", "error"), [(0, ValueError), (1.5, TypeError), (None, TypeError)])
+def test_step_flag_rejects_bad_slot_counts(slots, error):
+    with pytest.raises(error, match="slots"):
+        StepFlag(slots=slots)
