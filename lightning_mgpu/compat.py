@@ -573,6 +573,32 @@ def broadcast_ddp_buffers(ddp: nn.parallel.DistributedDataParallel) -> bool:
     return True
 
 
+def ddp_buckets_rebuilt(ddp: nn.parallel.DistributedDataParallel) -> bool:
+    """Whether DDP has rebuilt its buckets in the order gradients arrived, as it does once after the first backward.
+
+    torch 2.13's ``_has_rebuilt_buckets``; ``True`` where a torch lacks it (no rebuild to wait for).
+    """
+    return bool(getattr(ddp, "_has_rebuilt_buckets", True))
+
+
+def reset_ddp_reduction(ddp: nn.parallel.DistributedDataParallel) -> None:
+    """Forget the gradients a failed backward marked ready, before DDP's bucket rebuild.
+
+    torch 2.13's reducer ``_reset_state``. After the rebuild a replay works without it, and with it the ranks'
+    reductions part ways.
+    """
+    ddp.reducer._reset_state()
+
+
+def expect_ddp_backward(ddp: nn.parallel.DistributedDataParallel) -> None:
+    """Tell DDP's reducer that a backward pass comes in which every parameter gets a gradient.
+
+    What DDP's forward does after the module returned (``reducer.prepare_for_backward``, torch 2.13), for a rank
+    whose forward raised before it got there, or whose backward raised part way.
+    """
+    ddp.reducer.prepare_for_backward([])
+
+
 # ------------------------------------------------------------------------------------------------ torch names
 BatchNormBase = _BatchNorm  # every BatchNorm1d/2d/3d and SyncBatchNorm (torch 2.13)
 

@@ -6,6 +6,11 @@ the step's last gradient bucket instead: the hook reduces that bucket with a few
 contributions, so the sums arrive on the device, on every rank, with the gradients, at the cost of no extra
 collective and no host read.
 
+A rank whose forward or backward raised (an out-of-memory error) would leave the others waiting in the step's
+all-reduces. :meth:`StepFlag.finish_failed_step` lets it take part with zeros instead: the buckets it had already
+handed over are not sent again, the rest go out as zeros, and its contribution (slot 0 by default) tells every rank
+that the step failed somewhere, in the same reduction.
+
 The hooks are the pack's plain gradient averaging, bit for bit what DDP's built-in reduction and torch's
 ``fp16_compress_hook`` / ``bf16_compress_hook`` compute (the buckets in the same order, one all-reduce each); only the
 last bucket's message is longer. The last bucket is the one DDP hands over last in every backward pass, the bucket
@@ -27,6 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_mgpu import compat
 from lightning_mgpu.utilities.validation import check_choice, check_int
 
 FlaggedHookName = Literal["mean", "fp16", "bf16"]
@@ -59,6 +65,8 @@ class StepFlag:
         self._local = [0] * slots
         self.reduced: Tensor | None = None
         self.reductions = 0  # backward passes whose last bucket carried the contributions
+        self.issued = 0  # buckets of the backward under way handed to the all-reduce so far
+        self._replay_from: int | None = None  # during a replay: buckets below this index went out already
 
     def set(self, slot: int, value: int) -> None:
         """Make ``value`` this rank's contribution to ``slot`` in the next reduction.
@@ -76,6 +84,34 @@ class StepFlag:
     def pending(self) -> tuple[int, ...]:
         """This rank's contributions to the next reduction."""
         return tuple(self._local)
+
+    def finish_failed_step(self, ddp: DistributedDataParallel, slot: int = 0, value: int = 1) -> None:
+        """Take part in the step's gradient reduction with zeros, after this rank's forward or backward raised.
+
+        Call it where the error was caught, on the failing rank only, once its frames are gone. The buckets this
+        rank had already handed over are not sent again; the others are sent as zeros, and ``value`` goes to
+        ``slot``. The other ranks' backward passes then complete, and every rank finds the failure in
+        :attr:`reduced`. The gradients are not meant to be used: the step should be dropped everywhere.
+
+        Not for DDP with ``find_unused_parameters=True`` or ``static_graph=True``, whose reductions hold more state.
+
+        Args:
+            ddp: the model whose step failed, with a flagged hook whose state is this flag.
+            slot: where this rank's failure is counted.
+            value: what it adds there.
+        """
+        self.set(slot, value)
+        if not compat.ddp_buckets_rebuilt(ddp):
+            # before the rebuild the reducer records the order gradients arrive in: a replay would record them twice
+            compat.reset_ddp_reduction(ddp)
+        self._replay_from = self.issued
+        params = [param for param in ddp.module.parameters() if param.requires_grad]
+        compat.expect_ddp_backward(ddp)
+        try:
+            # a graph from the parameters alone: every one gets a zero gradient, so every bucket becomes ready
+            torch.stack([param.sum() for param in params]).sum().mul(0.0).backward()
+        finally:
+            self._replay_from = None
 
     def _take(self) -> list[int]:
         local, self._local = self._local, [0] * self.slots
@@ -103,6 +139,14 @@ def flagged_hook(name: FlaggedHookName) -> Callable[[StepFlag, dist.GradBucket],
         world_size = dist.get_world_size(group)
         buffer = bucket.buffer()
         last = bucket.is_last()
+        index = bucket.index()
+        flag.issued = 0 if last else index + 1
+        if flag._replay_from is not None:
+            if index < flag._replay_from:  # this rank sent it before its step failed
+                done: torch.futures.Future[Tensor] = torch.futures.Future()
+                done.set_result(buffer)
+                return done
+            buffer.zero_()
         if not last and wire is None:
             sent = buffer.div_(world_size)
         else:

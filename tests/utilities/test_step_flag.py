@@ -12,6 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from lightning_mgpu.utilities.comm_hooks import register_comm_hook
 from lightning_mgpu.utilities.step_flag import FLAGGED_HOOK_NAMES, StepFlag, register_flagged_hook
+from tests.helpers.oom_models import _OOMInBackward, raise_oom
 from tests.helpers.processes import run_processes
 
 WORLD_SIZE = 2
@@ -164,3 +165,95 @@ def test_set_rejects_bad_slots_and_values(slot, value, error, named):
 def test_step_flag_rejects_bad_slot_counts(slots, error):
     with pytest.raises(error, match="slots"):
         StepFlag(slots=slots)
+
+
+WIDTH = 32
+
+
+class _FailingNet(nn.Module):
+    """Six layers; on request, an out-of-memory error in the forward (after layer 4) or in the backward (at layer 2,
+    once the later layers' buckets have gone)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([nn.Linear(WIDTH, WIDTH) for _ in range(6)])
+        self.head = nn.Linear(WIDTH, 1)
+        self.fail: str | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        for index, layer in enumerate(self.layers):
+            x = torch.tanh(layer(x))
+            if index == 2 and self.fail == "backward":
+                x = _OOMInBackward.apply(x)
+            if index == 4 and self.fail == "forward":
+                raise_oom()
+        return self.head(x)
+
+
+FAILURE_STEPS = 5
+
+
+def _train_with_failure(rank: int, where: str | None, fail_at: int, as_view: bool, skip: int | None) -> dict:
+    """SGD with momentum; rank 1 fails at ``fail_at`` (``where``), or step ``skip`` is left out on every rank."""
+    net = _FailingNet()
+    model = DistributedDataParallel(net, bucket_cap_mb=0.0001, gradient_as_bucket_view=as_view)
+    flag = StepFlag(slots=2, process_group=model.process_group)
+    register_flagged_hook(model, flag, "mean")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    generator = torch.Generator().manual_seed(7)
+    batches = [torch.randn(16, WIDTH, generator=generator) for _ in range(FAILURE_STEPS)]
+    dropped, issued_at_failure = [], None
+    for step in range(FAILURE_STEPS):
+        if step == skip:
+            continue
+        x = batches[step][rank * 8 : (rank + 1) * 8]
+        optimizer.zero_grad(set_to_none=True)
+        net.fail = where if (rank == 1 and step == fail_at) else None
+        try:
+            model(x).pow(2).mean().backward()
+        except torch.OutOfMemoryError:
+            issued_at_failure = flag.issued
+            flag.finish_failed_step(model)
+        if int(flag.reduced[0]) > 0:  # the test reads it on the host; OOMBackoff will not need to
+            dropped.append(step)
+            continue
+        optimizer.step()
+    return {
+        "params": [param.detach().clone() for param in net.parameters()],
+        "dropped": dropped,
+        "issued_at_failure": issued_at_failure,
+    }
+
+
+def _failure_cases(rank: int, world_size: int) -> dict:
+    results = {}
+    for fail_at in (0, 2):  # before DDP's bucket rebuild, and after it
+        results[("reference", fail_at)] = _train_with_failure(rank, None, -1, False, skip=fail_at)
+        for where in ("forward", "backward"):
+            for as_view in (False, True):
+                results[(where, fail_at, as_view)] = _train_with_failure(rank, where, fail_at, as_view, skip=None)
+    return results
+
+
+@pytest.fixture(scope="module")
+def failure_cases() -> list[dict]:
+    return run_processes(_failure_cases, WORLD_SIZE)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("as_view", [False, True])
+@pytest.mark.parametrize("fail_at", [0, 2])
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_rank_that_fails_finishes_the_step_with_zeros_and_every_rank_drops_it(failure_cases, where, fail_at, as_view):
+    # no hang; both ranks learn of the failure from the reduction itself and drop the step; later steps reduce as
+    # if it had never been tried: the parameters equal, bit for bit, a run that skipped that batch on every rank
+    for rank, results in enumerate(failure_cases):
+        case, reference = results[(where, fail_at, as_view)], results[("reference", fail_at)]
+        assert case["dropped"] == [fail_at], rank
+        for ours, theirs in zip(case["params"], reference["params"], strict=True):
+            assert torch.equal(ours, theirs), (rank, where, fail_at)
+    issued = failure_cases[1][(where, fail_at, as_view)]["issued_at_failure"]
+    # after the rebuild, a backward failure strikes once some buckets have gone; before it, DDP holds a model this
+    # small in one bucket (the reducer's record of the gradients that arrived is what must be reset then)
+    assert issued >= 1 if (where, fail_at) == ("backward", 2) else issued == 0
