@@ -11,10 +11,12 @@ all-reduces. :meth:`StepFlag.finish_failed_step` lets it take part with zeros in
 handed over are not sent again, the rest go out as zeros, and its contribution (slot 0 by default) tells every rank
 that the step failed somewhere, in the same reduction.
 
-The hooks are the pack's plain gradient averaging, bit for bit what DDP's built-in reduction and torch's
-``fp16_compress_hook`` / ``bf16_compress_hook`` compute (the buckets in the same order, one all-reduce each); only the
-last bucket's message is longer. The last bucket is the one DDP hands over last in every backward pass, the bucket
-holding the first layers' gradients, so a rank can still set its contribution during the backward.
+The hooks are the pack's plain gradient averaging: what DDP's built-in reduction and torch's ``fp16_compress_hook``
+/ the pack's ``bf16`` hook compute, the buckets in the same order, one all-reduce each; only the last bucket's message
+is longer. With two ranks the gradients are the same bit for bit. With more, a longer message can move the edges of
+the chunks a ring all-reduce sums in (gloo's, NCCL's choice of algorithm), so a few elements of the last bucket are
+summed in another order: equal within rounding. The last bucket is the one DDP hands over last in every backward
+pass, the bucket holding the first layers' gradients, so a rank can still set its contribution during the backward.
 
 Example::
 
@@ -38,7 +40,8 @@ from lightning_mgpu.utilities.validation import check_choice, check_int
 FlaggedHookName = Literal["mean", "fp16", "bf16"]
 FLAGGED_HOOK_NAMES: tuple[str, ...] = ("mean", "fp16", "bf16")
 _WIRE_DTYPES: dict[str, torch.dtype | None] = {"mean": None, "fp16": torch.float16, "bf16": torch.bfloat16}
-# contributions travel in the bucket's dtype: integers up to 256 are exact in bfloat16, the narrowest
+# contributions travel in the bucket's dtype: integers up to 256 are exact in bfloat16, the narrowest (a sum over
+# ranks above 256 may round there, but a sum of non-negative numbers that is not 0 never rounds to 0)
 MAX_CONTRIBUTION = 256
 
 
@@ -46,8 +49,9 @@ class StepFlag:
     """Per-process state of a flag-carrying hook: this rank's contributions and the sums over ranks.
 
     Contributions set with :meth:`set` go out with the next bucket DDP marks as last, and are then reset to 0, so
-    each counts for one backward pass. After that backward, :attr:`reduced` holds the sums over ranks of every slot:
-    a device tensor, in the dtype the bucket travelled in, that nothing here reads on the host.
+    each counts for one synchronised backward pass. After that backward, :attr:`reduced` holds the sums over ranks of
+    every slot: a device tensor of its own (the next step does not overwrite it), in the dtype the bucket travelled
+    in, that nothing here reads on the host.
 
     Args:
         slots: how many numbers each rank contributes per step, at least 1.
@@ -65,9 +69,16 @@ class StepFlag:
         self._local = [0] * slots
         self.reduced: Tensor | None = None
         self.reductions = 0  # backward passes whose last bucket carried the contributions
-        self.issued = 0  # buckets of the backward under way handed to the all-reduce so far
+        self.issued = 0  # buckets of the pass under way handed to the all-reduce so far
+        # a training forward of the DDP model has started and its backward has not sent the last bucket yet
+        self.in_pass = False
         self._replay_from: int | None = None  # during a replay: buckets below this index went out already
         self._last_message: Tensor | None = None
+
+    def _forward_started(self, module: Any, args: Any) -> None:
+        """A forward pre-hook on the DDP model's module: a new pass, if gradients are on (validation's are not)."""
+        if torch.is_grad_enabled():
+            self.issued, self.in_pass = 0, True
 
     def set(self, slot: int, value: int) -> None:
         """Make ``value`` this rank's contribution to ``slot`` in the next reduction.
@@ -86,7 +97,9 @@ class StepFlag:
         """This rank's contributions to the next reduction."""
         return tuple(self._local)
 
-    def finish_failed_step(self, ddp: DistributedDataParallel, slot: int = 0, value: int = 1) -> None:
+    def finish_failed_step(
+        self, ddp: DistributedDataParallel, slot: int = 0, value: int = 1, synced: bool = True
+    ) -> bool:
         """Take part in the step's gradient reduction with zeros, after this rank's forward or backward raised.
 
         Call it where the error was caught, on the failing rank only, once its frames are gone. The buckets this
@@ -94,25 +107,42 @@ class StepFlag:
         ``slot``. The other ranks' backward passes then complete, and every rank finds the failure in
         :attr:`reduced`. The gradients are not meant to be used: the step should be dropped everywhere.
 
-        Not for DDP with ``find_unused_parameters=True`` or ``static_graph=True``, whose reductions hold more state.
+        What it cannot finish, it says by returning ``False`` (nothing sent, nothing set): a failure before the
+        DDP model's forward started (the other ranks' forward broadcasts buffers and, after the first step, DDP's
+        rebuilt bucket order, which this rank would miss), or after its backward sent the last bucket (the other
+        ranks have their gradients and may have stepped). Those need the caller's own way out, at a point where every
+        rank meets. An error raised in here (a second out-of-memory error) leaves the others waiting, as before.
 
         Args:
             ddp: the model whose step failed, with a flagged hook whose state is this flag.
             slot: where this rank's failure is counted.
             value: what it adds there.
+            synced: ``False`` for a pass under ``no_sync()`` (gradient accumulation): it sent nothing, so nothing is
+                finished; the contribution goes out with the next synchronised pass.
+
+        Returns:
+            Whether the failure is now known to the reduction: ``True`` when finished here, or when ``synced`` is
+            false (it will be, with the next synchronised pass).
         """
+        if not synced:
+            self.set(slot, value)
+            return True
+        if not self.in_pass:
+            return False
         self.set(slot, value)
         if not compat.ddp_buckets_rebuilt(ddp):
             # before the rebuild the reducer records the order gradients arrive in: a replay would record them twice
             compat.reset_ddp_reduction(ddp)
         self._replay_from = self.issued
-        params = [param for param in ddp.module.parameters() if param.requires_grad]
+        ignored = set(ddp.parameters_to_ignore)
+        params = [param for name, param in ddp.module.named_parameters() if param.requires_grad and name not in ignored]
         compat.expect_ddp_backward(ddp)
         try:
             # a graph from the parameters alone: every one gets a zero gradient, so every bucket becomes ready
             torch.stack([param.sum() for param in params]).sum().mul(0.0).backward()
         finally:
             self._replay_from = None
+        return True
 
     def _message(self, size: int, dtype: torch.dtype, like: Tensor) -> Tensor:
         """The buffer the last bucket is sent in, kept from step to step.
@@ -133,9 +163,9 @@ class StepFlag:
 def flagged_hook(name: FlaggedHookName) -> Callable[[StepFlag, dist.GradBucket], torch.futures.Future[Tensor]]:
     """The DDP communication hook ``name`` that carries a :class:`StepFlag` in the last bucket.
 
-    ``"mean"`` divides each bucket by the world size and all-reduces the sum, as DDP's built-in reduction does;
-    ``"fp16"`` and ``"bf16"`` first cast it to that dtype, as torch's compress hooks do. The gradients are the same,
-    bit for bit. The last bucket is reduced out of place, in a buffer ``slots`` elements longer.
+    ``"mean"`` multiplies each bucket by the reciprocal of the world size and all-reduces the sum, as DDP's built-in
+    reduction does; ``"fp16"`` and ``"bf16"`` first cast it to that dtype and divide, as torch's compress hooks do.
+    The last bucket is reduced out of place, in a buffer ``slots`` elements longer.
 
     Args:
         name: one of :data:`FLAGGED_HOOK_NAMES`.
@@ -152,7 +182,8 @@ def flagged_hook(name: FlaggedHookName) -> Callable[[StepFlag, dist.GradBucket],
         buffer = bucket.buffer()
         last = bucket.is_last()
         index = bucket.index()
-        flag.issued = 0 if last else index + 1
+        flag.issued = index + 1
+        flag.in_pass = not last
         if flag._replay_from is not None:
             if index < flag._replay_from:  # this rank sent it before its step failed
                 done: torch.futures.Future[Tensor] = torch.futures.Future()
@@ -160,7 +191,7 @@ def flagged_hook(name: FlaggedHookName) -> Callable[[StepFlag, dist.GradBucket],
                 return done
             buffer.zero_()
         if not last and wire is None:
-            sent = buffer.div_(world_size)
+            sent = buffer.mul_(1.0 / world_size)  # DDP's own reduction multiplies by the reciprocal
         else:
             size = buffer.numel()
             if last:
@@ -168,7 +199,7 @@ def flagged_hook(name: FlaggedHookName) -> Callable[[StepFlag, dist.GradBucket],
             else:
                 sent = buffer.new_empty(size, dtype=wire)
             if wire is None:
-                torch.div(buffer, world_size, out=sent[:size])  # the division, into the longer buffer
+                torch.mul(buffer, 1.0 / world_size, out=sent[:size])  # the same, into the longer buffer
             else:
                 sent[:size].copy_(buffer).div_(world_size)  # cast first, then divide: torch's compress hooks
             if last:
@@ -178,7 +209,7 @@ def flagged_hook(name: FlaggedHookName) -> Callable[[StepFlag, dist.GradBucket],
         def unpack(done: torch.futures.Future) -> Tensor:
             reduced = done.value()[0]
             if last:
-                flag.reduced = reduced[buffer.numel() :]
+                flag.reduced = reduced[buffer.numel() :].clone()  # its own: the buffer is the next step's message
                 flag.reductions += 1
             if wire is None:  # the bucket itself, reduced in place, or the longer message, which DDP copies in
                 return reduced[: buffer.numel()]
@@ -206,11 +237,25 @@ def register_flagged_hook(
 ) -> None:
     """Register :func:`flagged_hook` ``name`` on ``model``, with ``flag`` as its state.
 
+    Also registers a forward pre-hook on ``model.module`` that tells the flag when a training pass starts, which
+    :meth:`StepFlag.finish_failed_step` needs.
+
     Args:
         model: the wrapped model; a hook can be registered once per model, before its first backward.
         flag: the state; its process group should be the model's.
         name: one of :data:`FLAGGED_HOOK_NAMES`.
         wrap: wraps the hook before it is registered (the performance monitor times buckets this way).
+
+    Raises:
+        ValueError: a model built with ``find_unused_parameters=True`` or ``static_graph=True``, whose reductions
+            hold state a failed pass cannot be finished in.
     """
+    for option in ("find_unused_parameters", "static_graph"):
+        if getattr(model, option, False):
+            raise ValueError(
+                f"register_flagged_hook: a DistributedDataParallel built with {option}=True is not supported (its "
+                "reduction keeps state that a failed pass cannot be finished in); build it with the default False."
+            )
     hook = flagged_hook(name)
     model.register_comm_hook(flag, wrap(hook) if wrap else hook)
+    model.module.register_forward_pre_hook(flag._forward_started)

@@ -1,5 +1,6 @@
 """The flag-carrying DDP hooks: DDP's own gradients, the ranks' numbers summed, and no collective more."""
 
+import contextlib
 from collections import Counter
 from typing import Any
 
@@ -194,8 +195,17 @@ class _FailingNet(nn.Module):
 FAILURE_STEPS = 5
 
 
-def _train_with_failure(rank: int, where: str | None, fail_at: int, as_view: bool, skip: int | None) -> dict:
-    """SGD with momentum; rank 1 fails at ``fail_at`` (``where``), or step ``skip`` is left out on every rank."""
+def _train_with_failure(
+    rank: int,
+    where: str | None,
+    fail_at: int,
+    as_view: bool = False,
+    skip: int | None = None,
+    failing: tuple[int, ...] = (1,),
+    micro_batches: int = 1,
+) -> dict:
+    """SGD with momentum; the ``failing`` ranks fail at ``fail_at`` (``where``), or step ``skip`` is left out on
+    every rank. With 2 micro-batches the first runs under ``no_sync()`` and is the one that fails."""
     net = _FailingNet()
     model = DistributedDataParallel(net, bucket_cap_mb=0.0001, gradient_as_bucket_view=as_view)
     flag = StepFlag(slots=2, process_group=model.process_group)
@@ -207,14 +217,17 @@ def _train_with_failure(rank: int, where: str | None, fail_at: int, as_view: boo
     for step in range(FAILURE_STEPS):
         if step == skip:
             continue
-        x = batches[step][rank * 8 : (rank + 1) * 8]
         optimizer.zero_grad(set_to_none=True)
-        net.fail = where if (rank == 1 and step == fail_at) else None
-        try:
-            model(x).pow(2).mean().backward()
-        except torch.OutOfMemoryError:
-            issued_at_failure = flag.issued
-            flag.finish_failed_step(model)
+        pieces = batches[step][rank * 8 : (rank + 1) * 8].chunk(micro_batches)
+        for index, x in enumerate(pieces):
+            synced = index == len(pieces) - 1
+            net.fail = where if (rank in failing and step == fail_at and index == 0) else None
+            try:
+                with contextlib.nullcontext() if synced else model.no_sync():
+                    model(x).pow(2).mean().backward()
+            except torch.OutOfMemoryError:
+                issued_at_failure = flag.issued
+                assert flag.finish_failed_step(model, synced=synced)
         if int(flag.reduced[0]) > 0:  # the test reads it on the host; OOMBackoff will not need to
             dropped.append(step)
             continue
@@ -229,11 +242,42 @@ def _train_with_failure(rank: int, where: str | None, fail_at: int, as_view: boo
 def _failure_cases(rank: int, world_size: int) -> dict:
     results = {}
     for fail_at in (0, 2):  # before DDP's bucket rebuild, and after it
-        results[("reference", fail_at)] = _train_with_failure(rank, None, -1, False, skip=fail_at)
+        results[("reference", fail_at)] = _train_with_failure(rank, None, -1, skip=fail_at)
         for where in ("forward", "backward"):
             for as_view in (False, True):
-                results[(where, fail_at, as_view)] = _train_with_failure(rank, where, fail_at, as_view, skip=None)
+                results[(where, fail_at, as_view)] = _train_with_failure(rank, where, fail_at, as_view)
+    results["rank 0 fails"] = _train_with_failure(rank, "backward", 2, failing=(0,))
+    results["both fail"] = _train_with_failure(rank, "backward", 2, failing=(0, 1))
+    results["accumulation reference"] = _train_with_failure(rank, None, -1, skip=2, micro_batches=2)
+    results["fails under no_sync"] = _train_with_failure(rank, "forward", 2, micro_batches=2)
+    results["edges"] = _edge_cases(rank)
     return results
+
+
+def _edge_cases(rank: int) -> dict:
+    """What finish_failed_step cannot finish says so, and sends and sets nothing; unsupported DDP options refuse."""
+    found: dict[str, Any] = {}
+    net = _FailingNet()
+    model = DistributedDataParallel(net, bucket_cap_mb=0.0001)
+    flag = StepFlag(slots=2, process_group=model.process_group)
+    register_flagged_hook(model, flag, "mean")
+    x = torch.randn(8, WIDTH)
+    model(x).sum().backward()  # a whole step
+    with torch.no_grad():
+        model(x)  # a validation forward starts no pass
+    found["before the forward"] = (rank == 1 and flag.finish_failed_step(model), flag.pending)
+    # an error after the backward sent the last bucket: the input's own gradient comes after every parameter's
+    failing_input = x.clone().requires_grad_()
+    try:
+        model(_OOMInBackward.apply(failing_input) if rank == 1 else failing_input).sum().backward()
+    except torch.OutOfMemoryError:
+        found["after the last bucket"] = (flag.finish_failed_step(model), flag.pending, flag.in_pass)
+    for option in ("find_unused_parameters", "static_graph"):
+        try:
+            register_flagged_hook(DistributedDataParallel(_FailingNet(), **{option: True}), StepFlag())
+        except ValueError as err:
+            found[option] = str(err)
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -257,3 +301,58 @@ def test_a_rank_that_fails_finishes_the_step_with_zeros_and_every_rank_drops_it(
     # after the rebuild, a backward failure strikes once some buckets have gone; before it, DDP holds a model this
     # small in one bucket (the reducer's record of the gradients that arrived is what must be reset then)
     assert issued >= 1 if (where, fail_at) == ("backward", 2) else issued == 0
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", ["rank 0 fails", "both fail"])
+def test_any_rank_or_several_may_fail(failure_cases, case):
+    for rank, results in enumerate(failure_cases):
+        assert results[case]["dropped"] == [2], rank
+        for ours, theirs in zip(results[case]["params"], results[("reference", 2)]["params"], strict=True):
+            assert torch.equal(ours, theirs), (rank, case)
+
+
+@pytest.mark.distributed
+def test_a_failure_under_no_sync_goes_out_with_the_synchronised_pass(failure_cases):
+    # gradient accumulation: the failing micro-batch sent nothing, so nothing is replayed; its flag rides with the
+    # step's synchronised micro-batch, and every rank drops the whole step
+    for rank, results in enumerate(failure_cases):
+        case, reference = results["fails under no_sync"], results["accumulation reference"]
+        assert case["dropped"] == [2], rank
+        for ours, theirs in zip(case["params"], reference["params"], strict=True):
+            assert torch.equal(ours, theirs), rank
+
+
+@pytest.mark.distributed
+def test_what_cannot_be_finished_says_so_and_unsupported_options_refuse(failure_cases):
+    edges = failure_cases[1]["edges"]
+    assert edges["before the forward"] == (False, (0, 0))
+    assert edges["after the last bucket"] == (False, (0, 0), False)
+    assert "after the last bucket" not in failure_cases[0]["edges"]  # rank 0 finished its step normally
+    for results in failure_cases:
+        for option in ("find_unused_parameters", "static_graph"):
+            assert f"{option}=True is not supported" in results["edges"][option]
+
+
+def _three_ranks(rank: int, world_size: int) -> dict:
+    reference, ours = _model(as_view=False), _model(as_view=False)
+    flag = StepFlag(slots=2, process_group=ours.process_group)
+    register_flagged_hook(ours, flag, "mean")
+    grads, reduced = [], []
+    for step in range(3):
+        flag.set(0, rank + 1)
+        _step(reference, rank, step)
+        _step(ours, rank, step)
+        grads.append((_grads(reference), _grads(ours)))
+        reduced.append(flag.reduced.tolist())
+    return {"grads": grads, "reduced": reduced}
+
+
+@pytest.mark.distributed
+def test_with_three_ranks_the_gradients_equal_ddps_within_rounding():
+    # a longer last message moves the edges of gloo's ring chunks: a few elements are summed in another order
+    for results in run_processes(_three_ranks, 3):
+        assert results["reduced"] == [[6, 0]] * 3
+        for reference, ours in results["grads"]:
+            for theirs, mine in zip(reference, ours, strict=True):
+                torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7)
