@@ -39,6 +39,7 @@ from lightning_mgpu.utilities.comm_hooks import (
     register_timed_allreduce,
 )
 from lightning_mgpu.utilities.distributed_batchnorm import has_batchnorm
+from lightning_mgpu.utilities.step_flag import StepFlag, register_flagged_hook
 from lightning_mgpu.utilities.step_timing import CommTimer
 from lightning_mgpu.utilities.strategy_choice import StrategyChoice
 from lightning_mgpu.utilities.validation import check_bool, check_choice, check_int, check_positive
@@ -245,6 +246,9 @@ class DDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, compa
         self._hang_watch = FitHangWatch(hang_timeout)
         # set by PerformanceMonitor in its setup, before the model is wrapped: the reductions are then timed
         self.comm_timer: CommTimer | None = None
+        # set by a callback before the model is wrapped: carried in the gradient reduction of every DDP wrap
+        self.step_flag: StepFlag | None = None
+        self.step_flag_registered = False  # whether the current wrap carries it (see register_own_comm_hook)
         # whether the hook registered is DDP's own reduction, only timed (no compression of ours or Lightning's)
         self.plain_reduction_hook = False
         self._comm_hook_timed = False
@@ -385,8 +389,10 @@ class DDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, compa
     @override
     def register_own_comm_hook(self) -> bool:
         hook = self._active_comm_hook
-        self.plain_reduction_hook = self._comm_hook_timed = False
+        self.plain_reduction_hook = self._comm_hook_timed = self.step_flag_registered = False
         timer = self.comm_timer if hook != "powersgd" else None
+        if self._register_step_flag(hook, timer):
+            return True
         if hook is None and (
             timer is None or compat.lightning_comm_state(self) or compat.ddp_has_comm_hook(self.model)
         ):
@@ -407,6 +413,28 @@ class DDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, compa
             process_group=self.model.process_group,
             wrap=wrap,
         )
+        return True
+
+    def _register_step_flag(self, hook: str | None, timer: CommTimer | None) -> bool:
+        """Register the flag-carrying variant of ``hook`` if a callback asked for :attr:`step_flag` and it can be.
+
+        Not with PowerSGD (its buckets are reduced together, not one by one), a ``ddp_comm_hook`` of Lightning's, a
+        hook DDP registered itself, or DDP's ``find_unused_parameters`` / ``static_graph``: then
+        :attr:`step_flag_registered` stays ``False`` and the asking callback keeps its own way.
+        """
+        flag = self.step_flag
+        if flag is None or hook == "powersgd" or compat.lightning_comm_state(self):
+            return False
+        model = self.model
+        assert isinstance(model, DistributedDataParallel)
+        if compat.ddp_has_comm_hook(model) or model.find_unused_parameters or model.static_graph:
+            return False
+        flag.process_group = model.process_group
+        wrap = timer.wrap if timer is not None else None
+        register_flagged_hook(model, flag, hook or "mean", wrap=wrap)  # type: ignore[arg-type]
+        self._comm_hook_timed = wrap is not None
+        self.plain_reduction_hook = hook is None
+        self.step_flag_registered = True
         return True
 
 

@@ -74,6 +74,7 @@ class StepFlag:
         self.in_pass = False
         self._replay_from: int | None = None  # during a replay: buckets below this index went out already
         self._last_message: Tensor | None = None
+        self._pass_hook: Any = None  # the forward pre-hook's handle
 
     def _forward_started(self, module: Any, args: Any) -> None:
         """A forward pre-hook on the DDP model's module: a new pass, if gradients are on (validation's are not)."""
@@ -258,4 +259,6 @@ def register_flagged_hook(
             )
     hook = flagged_hook(name)
     model.register_comm_hook(flag, wrap(hook) if wrap else hook)
-    model.module.register_forward_pre_hook(flag._forward_started)
+    if flag._pass_hook is not None:  # a model wrapped again (bucket tuning): one pre-hook, on the module in use
+        flag._pass_hook.remove()
+    flag._pass_hook = model.module.register_forward_pre_hook(flag._forward_started)

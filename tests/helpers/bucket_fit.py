@@ -6,6 +6,9 @@ parameters, the tuning result, and the setting each training step ran with (read
 
     python tests/helpers/bucket_fit.py --out /tmp/x --bucket auto --slow-unless 5MB:60 --max-steps 240
     python tests/helpers/bucket_fit.py --out /tmp/ref --bucket 5 --max-steps 240
+
+``--step-flag`` asks the strategy for a :class:`~lightning_mgpu.utilities.step_flag.StepFlag` and saves, per
+optimizer step, the sums the ranks' contributions came to (``<out>/flag_rank<r>.pt``).
 """
 
 import argparse
@@ -24,6 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import MultiGPUStrategy
 from lightning_mgpu.utilities.bucket_tuning import Trial
+from lightning_mgpu.utilities.step_flag import StepFlag
 from tests.helpers.trainer import QUIET, RecordingLogger
 
 
@@ -92,6 +96,37 @@ class SaveRankState(Callback):
         torch.save(state, self.out / f"rank{trainer.global_rank}.pt")
 
 
+def flag_contributions(step: int, rank: int) -> dict[int, int]:
+    """What ``rank`` contributes at optimizer step ``step``: slot -> value."""
+    contributions = {0: rank + 1} if step % 7 == 0 else {}
+    if step == 3 and rank == 1:
+        contributions[1] = 1
+    return contributions
+
+
+class FlagProbe(Callback):
+    """Asks the strategy for a StepFlag, contributes by :func:`flag_contributions`, records the sums every step."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.flag = out, StepFlag(slots=2)
+        self.sums: list[list[float]] = []
+        self.registered: list[bool] = []
+
+    def setup(self, trainer, pl_module, stage):
+        trainer.strategy.step_flag = self.flag
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        for slot, value in flag_contributions(trainer.global_step, trainer.global_rank).items():
+            self.flag.set(slot, value)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.sums.append(self.flag.reduced.tolist())
+        self.registered.append(trainer.strategy.step_flag_registered)
+
+    def on_fit_end(self, trainer, pl_module):
+        torch.save({"sums": self.sums, "registered": self.registered}, self.out / f"flag_rank{trainer.global_rank}.pt")
+
+
 class StopAfter(Callback):
     """Stop at an optimizer step, while ``max_steps`` still tells the tuning how long the fit is."""
 
@@ -116,6 +151,7 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--val-every", type=int, default=0, help="validate 2 batches every N training batches")
     parser.add_argument("--stop-after", type=int, default=0, help="stop at this step (max_steps still sets the plan)")
+    parser.add_argument("--step-flag", action="store_true", help="carry a StepFlag in the gradient reduction")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     bucket = (
@@ -142,7 +178,11 @@ def main() -> None:
         accumulate_grad_batches=args.accumulate,
         limit_val_batches=2 if args.val_every else 0,
         val_check_interval=args.val_every or None,
-        callbacks=[SaveRankState(args.out, logger), *([StopAfter(args.stop_after)] if args.stop_after else [])],
+        callbacks=[
+            SaveRankState(args.out, logger),
+            *([StopAfter(args.stop_after)] if args.stop_after else []),
+            *([FlagProbe(args.out)] if args.step_flag else []),
+        ],
         **{**QUIET, "logger": logger},
     )
     trainer.fit(WideRegression(slow_unless, slow_ms), ckpt_path=args.resume)

@@ -132,3 +132,35 @@ def test_accumulation_and_validation_inside_the_tuning_steps(tmp_path):
     fixed = run_fit(tmp_path / "fixed", "--bucket", "5", *common)
     for name, value in fixed[0]["params"].items():
         torch.testing.assert_close(dumps[0]["params"][name], value, rtol=0, atol=0, msg=name)
+
+
+def _expected_flag_sums(steps: int) -> list[list[float]]:
+    from tests.helpers.bucket_fit import flag_contributions
+
+    sums = []
+    for step in range(steps):
+        total = [0.0, 0.0]
+        for rank in range(2):
+            for slot, value in flag_contributions(step, rank).items():
+                total[slot] += value
+        sums.append(total)
+    return sums
+
+
+@pytest.mark.parametrize(("bucket", "comm_hook", "steps"), [("auto", "none", STEPS), ("5", "fp16", 30)])
+def test_a_step_flag_rides_every_wrap_and_leaves_training_unchanged(tmp_path, bucket, comm_hook, steps):
+    # asked for by a callback, the flag is carried by every DDP wrap, those of the bucket trials included, through
+    # the plain and the compressed reduction; the sums arrive at every step on both ranks, and the parameters equal
+    # bit for bit a fit without the flag (5 MB buckets: with 2 ranks the bucket size does not change a sum)
+    slow = ("--slow-unless", "5MB:60") if bucket == "auto" else ()
+    flagged = run_fit(
+        tmp_path / "flag", "--bucket", bucket, "--comm-hook", comm_hook, "--max-steps", steps, "--step-flag", *slow
+    )
+    reference = run_fit(tmp_path / "ref", "--bucket", "5", "--comm-hook", comm_hook, "--max-steps", steps)
+    for ours, theirs in zip(flagged, reference, strict=True):
+        for name, value in theirs["params"].items():
+            assert torch.equal(ours["params"][name], value), name
+    for rank in range(2):
+        probe = torch.load(tmp_path / "flag" / f"flag_rank{rank}.pt")
+        assert probe["registered"] == [True] * steps
+        assert probe["sums"] == _expected_flag_sums(steps)
