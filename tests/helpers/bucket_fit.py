@@ -25,7 +25,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_mgpu import MultiGPUStrategy
+from lightning_mgpu import MultiGPUStrategy, PerformanceMonitor
 from lightning_mgpu.utilities.bucket_tuning import Trial
 from lightning_mgpu.utilities.step_flag import StepFlag
 from tests.helpers.trainer import QUIET, RecordingLogger
@@ -111,6 +111,7 @@ class FlagProbe(Callback):
         self.out, self.flag = out, StepFlag(slots=2)
         self.sums: list[list[float]] = []
         self.registered: list[bool] = []
+        self.timed: list[bool] = []
 
     def setup(self, trainer, pl_module, stage):
         trainer.strategy.step_flag = self.flag
@@ -122,9 +123,11 @@ class FlagProbe(Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         self.sums.append(self.flag.reduced.tolist())
         self.registered.append(trainer.strategy.step_flag_registered)
+        self.timed.append(trainer.strategy.comm_timed)
 
     def on_fit_end(self, trainer, pl_module):
-        torch.save({"sums": self.sums, "registered": self.registered}, self.out / f"flag_rank{trainer.global_rank}.pt")
+        state = {"sums": self.sums, "registered": self.registered, "timed": self.timed}
+        torch.save(state, self.out / f"flag_rank{trainer.global_rank}.pt")
 
 
 class StopAfter(Callback):
@@ -152,6 +155,7 @@ def main() -> None:
     parser.add_argument("--val-every", type=int, default=0, help="validate 2 batches every N training batches")
     parser.add_argument("--stop-after", type=int, default=0, help="stop at this step (max_steps still sets the plan)")
     parser.add_argument("--step-flag", action="store_true", help="carry a StepFlag in the gradient reduction")
+    parser.add_argument("--monitor", action="store_true", help="add a PerformanceMonitor (it times the reductions)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     bucket = (
@@ -182,6 +186,7 @@ def main() -> None:
             SaveRankState(args.out, logger),
             *([StopAfter(args.stop_after)] if args.stop_after else []),
             *([FlagProbe(args.out)] if args.step_flag else []),
+            *([PerformanceMonitor(count_flops=False, progress_bar=False)] if args.monitor else []),
         ],
         **{**QUIET, "logger": logger},
     )

@@ -150,11 +150,12 @@ def _expected_flag_sums(steps: int) -> list[list[float]]:
 @pytest.mark.parametrize(("bucket", "comm_hook", "steps"), [("auto", "none", STEPS), ("5", "fp16", 30)])
 def test_a_step_flag_rides_every_wrap_and_leaves_training_unchanged(tmp_path, bucket, comm_hook, steps):
     # asked for by a callback, the flag is carried by every DDP wrap, those of the bucket trials included, through
-    # the plain and the compressed reduction; the sums arrive at every step on both ranks, and the parameters equal
-    # bit for bit a fit without the flag (5 MB buckets: with 2 ranks the bucket size does not change a sum)
-    slow = ("--slow-unless", "5MB:60") if bucket == "auto" else ()
+    # the plain and the compressed reduction, timed by PerformanceMonitor in the second case; the sums arrive at
+    # every step on both ranks, and the parameters equal bit for bit a fit without the flag (5 MB buckets: with 2
+    # ranks the bucket size does not change a sum)
+    extra = ("--slow-unless", "5MB:60") if bucket == "auto" else ("--monitor",)
     flagged = run_fit(
-        tmp_path / "flag", "--bucket", bucket, "--comm-hook", comm_hook, "--max-steps", steps, "--step-flag", *slow
+        tmp_path / "flag", "--bucket", bucket, "--comm-hook", comm_hook, "--max-steps", steps, "--step-flag", *extra
     )
     reference = run_fit(tmp_path / "ref", "--bucket", "5", "--comm-hook", comm_hook, "--max-steps", steps)
     for ours, theirs in zip(flagged, reference, strict=True):
@@ -163,4 +164,5 @@ def test_a_step_flag_rides_every_wrap_and_leaves_training_unchanged(tmp_path, bu
     for rank in range(2):
         probe = torch.load(tmp_path / "flag" / f"flag_rank{rank}.pt")
         assert probe["registered"] == [True] * steps
+        assert probe["timed"] == [bucket != "auto"] * steps
         assert probe["sums"] == _expected_flag_sums(steps)
