@@ -249,7 +249,8 @@ class DDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, compa
         # set by a callback before the model is wrapped: carried in the gradient reduction of every DDP wrap
         self.step_flag: StepFlag | None = None
         self.step_flag_registered = False  # whether the current wrap carries it (see register_own_comm_hook)
-        # whether the hook registered is DDP's own reduction, only timed (no compression of ours or Lightning's)
+        # whether the hook registered is a plain average (DDP's own reduction timed, or carrying the step flag): no
+        # compression of ours or Lightning's
         self.plain_reduction_hook = False
         self._comm_hook_timed = False
 
@@ -318,6 +319,9 @@ class DDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, compa
 
     @override
     def teardown(self) -> None:
+        if self.step_flag is not None:
+            self.step_flag.release()
+        self.step_flag_registered = False
         self._hang_watch.stop()
         self._tuning.teardown()
         self._exact_resume.teardown()

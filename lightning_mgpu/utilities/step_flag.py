@@ -145,6 +145,13 @@ class StepFlag:
             self._replay_from = None
         return True
 
+    def release(self) -> None:
+        """Remove the forward pre-hook :func:`register_flagged_hook` put on the model's module (at the end of a fit)."""
+        if self._pass_hook is not None:
+            self._pass_hook.remove()
+            self._pass_hook = None
+        self.in_pass = False
+
     def _message(self, size: int, dtype: torch.dtype, like: Tensor) -> Tensor:
         """The buffer the last bucket is sent in, kept from step to step.
 
@@ -239,7 +246,8 @@ def register_flagged_hook(
     """Register :func:`flagged_hook` ``name`` on ``model``, with ``flag`` as its state.
 
     Also registers a forward pre-hook on ``model.module`` that tells the flag when a training pass starts, which
-    :meth:`StepFlag.finish_failed_step` needs.
+    :meth:`StepFlag.finish_failed_step` needs. A flag serves one model: registering it again (a model wrapped anew,
+    as bucket tuning does) moves its pre-hook to the new model's module; :meth:`StepFlag.release` removes it.
 
     Args:
         model: the wrapped model; a hook can be registered once per model, before its first backward.
@@ -259,6 +267,5 @@ def register_flagged_hook(
             )
     hook = flagged_hook(name)
     model.register_comm_hook(flag, wrap(hook) if wrap else hook)
-    if flag._pass_hook is not None:  # a model wrapped again (bucket tuning): one pre-hook, on the module in use
-        flag._pass_hook.remove()
+    flag.release()  # a model wrapped again (bucket tuning): one pre-hook, on the module in use
     flag._pass_hook = model.module.register_forward_pre_hook(flag._forward_started)

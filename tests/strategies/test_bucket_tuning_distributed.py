@@ -158,6 +158,9 @@ def test_a_step_flag_rides_every_wrap_and_leaves_training_unchanged(tmp_path, bu
         tmp_path / "flag", "--bucket", bucket, "--comm-hook", comm_hook, "--max-steps", steps, "--step-flag", *extra
     )
     reference = run_fit(tmp_path / "ref", "--bucket", "5", "--comm-hook", comm_hook, "--max-steps", steps)
+    if bucket == "auto":  # the trials really wrapped the model anew, 4 times
+        assert flagged[0]["tuning"]["reason"] == "tuned"
+        assert set(flagged[0]["settings"]) == {"default", "1MB", "5MB", "25MB"}
     for ours, theirs in zip(flagged, reference, strict=True):
         for name, value in theirs["params"].items():
             assert torch.equal(ours["params"][name], value), name
