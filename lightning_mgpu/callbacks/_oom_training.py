@@ -5,7 +5,15 @@ optimizer calls. An exception escaping it tears the trainer down, so the retry l
 epoch loop's ``automatic_optimization`` object is swapped for a subclass whose closure runs the batch as
 micro-batches and retries what ran out of memory.
 
-One batch, on every rank:
+A batch that runs whole (no out-of-memory error yet, one batch per optimizer step) takes the **whole-batch path**:
+Lightning's own closure, with DDP's overlapped gradient all-reduce, and nothing held back but the ``self.log``
+calls. Under DDP the strategy carries a :class:`~lightning_mgpu.utilities.step_flag.StepFlag` in that all-reduce: a
+rank whose forward or backward runs out of memory finishes the step's reduction with zeros and a flag set
+(:meth:`~lightning_mgpu.utilities.step_flag.StepFlag.finish_failed_step`), so every rank learns of the failure from
+the gradients' own collective. No rank steps on that batch: each one undoes the attempt (normalization statistics,
+metric states, gradients) and the batch is run again on the **micro-batch path** below, starting from the agreement.
+
+The micro-batch path, on every rank:
 
 1. Every micro-batch runs forward and backward under DDP's ``no_sync()``: no gradient collective is in flight
    while a rank may still run out of memory (the deadlock Composer documents for an OOM in the backward).
@@ -21,7 +29,7 @@ every rank agreed on; the callback prints, records and words the errors (:class:
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -36,10 +44,12 @@ from typing_extensions import override
 
 from lightning_mgpu import compat
 from lightning_mgpu.utilities.batch_split import batch_size_of, slice_batch, split_batch
+from lightning_mgpu.utilities.distributed_batchnorm import PASS_LEDGER, DistributedBatchNorm
 from lightning_mgpu.utilities.grad_allreduce import DEFAULT_BUCKET_BYTES, average_gradients
 from lightning_mgpu.utilities.host_group import host_side_group
 from lightning_mgpu.utilities.micro_batch_policy import MicroBatchSizePolicy
 from lightning_mgpu.utilities.oom import is_out_of_memory, release_memory
+from lightning_mgpu.utilities.step_flag import StepFlag
 from lightning_mgpu.utilities.step_pieces import LogCall, capture_logs, merge_outputs, replay_logs
 from lightning_mgpu.utilities.step_rollback import StepRollback
 
@@ -85,6 +95,32 @@ class _LocalFailure:
     def __init__(self, kind: int, description: str, error: BaseException | None = None) -> None:
         self.kind, self.description, self.error = kind, description, error
 
+    @classmethod
+    def of(cls, error: BaseException) -> "_LocalFailure":
+        """The failure ``error`` is: an out-of-memory error to retry, or any other error, kept to be raised again.
+
+        An out-of-memory error is not kept: its frames hold the failed attempt's activations.
+        """
+        if is_out_of_memory(error):
+            return cls(RECOVERABLE_OOM, _first_line(error))
+        return cls(OTHER_ERROR, f"{type(error).__name__}: {error}", error)
+
+
+def _step_and_backward(
+    loop: "BackoffOptimization", kwargs: OrderedDict, backward_fn: Any, weight: float
+) -> tuple[Tensor | None, dict[str, Any]]:
+    """Run Lightning's training step on ``kwargs`` and the backward of its loss times ``weight``.
+
+    Returns the weighted loss, detached, and the step's other outputs.
+    """
+    output = loop.training_step(kwargs)
+    loss = output.closure_loss
+    if loss is not None and weight != 1.0:
+        loss = loss * weight
+    if loss is not None and backward_fn is not None:
+        backward_fn(loss)
+    return (loss.detach() if loss is not None else None), output.extra
+
 
 class MicroBatchTrainer:
     """Runs one training batch as micro-batches for :class:`OOMBackoff`, agreeing with the other ranks.
@@ -107,9 +143,15 @@ class MicroBatchTrainer:
         self.pl_module = trainer.lightning_module
         strategy = trainer.strategy
         self.ddp = strategy.model if isinstance(strategy.model, DistributedDataParallel) else None
+        self.whole_batches = 0  # batches that took the whole-batch path
         self.world_size = trainer.world_size
         self.rank = trainer.global_rank
         self.rollback = StepRollback(self.pl_module)
+        # synchronised BatchNorm runs collectives in every training pass: a rank that fails part way replays the
+        # rest of them, and every rank runs the same micro-batches
+        modules = self.pl_module.modules()
+        self.sync_bn = self.world_size > 1 and any(isinstance(m, DistributedBatchNorm) for m in modules)
+        self.batch_rollback = StepRollback(self.pl_module) if self.sync_bn else None
         self.params: list[Tensor] = []  # listed again at every batch
         self.pending_failure: str | None = None
         self.group: dist.ProcessGroup | None = None
@@ -131,26 +173,48 @@ class MicroBatchTrainer:
             total, splittable = 1, False
         # listed per batch: layers a fine-tuning callback unfroze since the last batch are averaged too
         self.params = [p for p in self.pl_module.parameters() if p.requires_grad]
+        model = self.trainer.strategy.model
+        self.ddp = model if isinstance(model, DistributedDataParallel) else None  # bucket tuning wraps anew
         zero_grad_fn = loop.zero_grad_fn(batch_idx, optimizer)
         backward_fn = loop.backward_fn(optimizer)
         accumulating = not self.trainer.strategy.handles_gradient_accumulation and compat.should_accumulate(
             self.trainer
         )
         reduce_now = self.ddp is not None and not accumulating
-        if self.ddp is not None:
-            self._broadcast_buffers(first_of_window=zero_grad_fn is not None)
-        if zero_grad_fn is not None:
-            zero_grad_fn()
-
         size = self.policy.start_batch(total)
-        pending = split_batch(batch, size) if splittable else [(batch, 1)]
+        first_failure: _LocalFailure | None = None
+        if size >= total and zero_grad_fn is not None and not accumulating and self._flag_carried():
+            zero_grad_fn()
+            result, first_failure = self._run_whole(loop, kwargs, total, backward_fn)
+            if result is not None:
+                self.whole_batches += 1
+                self.policy.batch_succeeded()
+                return result
+            # it failed on some rank: every rank runs the batch again from the agreement, in micro-batches
+            pending: list[tuple[Any, int]] = []
+            if self.ddp is not None:
+                self._broadcast_buffers(first_of_window=True)  # the statistics were put back to the step's start
+        else:
+            if self.ddp is not None:
+                self._broadcast_buffers(first_of_window=zero_grad_fn is not None)
+            if zero_grad_fn is not None:
+                zero_grad_fn()
+            pending = split_batch(batch, size) if splittable else [(batch, 1)]
         done: list[_Piece] = []
+        batch_grads = None
+        if self.batch_rollback is not None:
+            # synchronised BatchNorm: a failed micro-batch changed the statistics every rank normalised with, so
+            # every rank starts the batch over; the gradients of earlier batches of the window wait aside
+            self.batch_rollback.save()
+            batch_grads = _stash_grads(self.params)
         while True:
-            failure = None
+            failure, first_failure = first_failure, None
+            if pending and (self.pending_failure is None or self.sync_bn):
+                # a rank stopping for an earlier failure still runs its micro-batch when the others' BatchNorm
+                # layers wait for its statistics
+                failure = self._train_pieces(loop, kwargs, pending, total, backward_fn, done)
             if self.pending_failure is not None:
                 failure = _LocalFailure(OPTIMIZER_STEP_OOM, self.pending_failure)
-            elif pending:
-                failure = self._train_pieces(loop, kwargs, pending, total, backward_fn, done)
             proposal = _NO_PROPOSAL
             if failure is not None and failure.kind == RECOVERABLE_OOM:
                 smaller = self.policy.smaller_size(size) if splittable else None
@@ -161,18 +225,28 @@ class MicroBatchTrainer:
             agreed = self._agree(failure, proposal, reduce_now)
             if agreed["fatal_kind"] != NO_FAILURE:
                 self._fail(failure, agreed, size, total)
+            finished = sum(piece.samples for piece in done)
             if agreed["oom_rank"] is None:
+                if finished < total:  # the whole-batch attempt failed for a reason every rank has put behind it
+                    pending = split_batch(slice_batch(batch, finished, total), size) if splittable else [(batch, 1)]
+                    continue
                 break
             probing = self.policy.probing
             self.policy.back_off(agreed["size"])
             self.reporter.report_backoff(size, agreed["size"], agreed["oom_rank"], total, probing)
             size = agreed["size"]
-            finished = sum(piece.samples for piece in done)
+            if self.batch_rollback is not None:
+                done.clear()
+                for param in self.params:
+                    param.grad = None
+                self.batch_rollback.restore()
+                finished = 0
             pending = split_batch(slice_batch(batch, finished, total), size) if finished < total else []
 
         probed = self.policy.batch_succeeded()
         if probed is not None:
             self.reporter.report_probe_success(probed)
+        _merge_stashed_grads(self.params, batch_grads)
         logs = [call for piece in done for call in piece.logs]
         replay_logs(self.pl_module, logs, "training_step")
         if reduce_now:
@@ -187,6 +261,95 @@ class MicroBatchTrainer:
             # the buffers from rank 0
             self.ddp.require_forward_param_sync = True
         return self._closure_result(done)
+
+    # ------------------------------------------------------------------------------------ the whole-batch path
+    def _flag_carried(self) -> bool:
+        """Whether a failure on this batch can reach every rank without a collective of its own."""
+        if self.world_size == 1:
+            return True
+        registered = getattr(self.trainer.strategy, "step_flag_registered", False)
+        return self.ddp is not None and isinstance(self.flag, StepFlag) and registered
+
+    @property
+    def flag(self) -> StepFlag | None:
+        """The flag the strategy carries in the gradient all-reduce, if it carries one."""
+        return getattr(self.trainer.strategy, "step_flag", None)
+
+    def _run_whole(
+        self, loop: "BackoffOptimization", kwargs: OrderedDict, total: int, backward_fn: Any
+    ) -> tuple[ClosureResult | None, _LocalFailure | None]:
+        """Run the batch as Lightning would, DDP's reduction overlapped with the backward.
+
+        Returns the closure's result, or ``None`` and this rank's failure (``None`` if another rank failed) when the
+        batch must run again in micro-batches, on every rank.
+        """
+        ddp, flag = self.ddp, self.flag
+        if ddp is not None and flag is not None and self.pending_failure is not None:
+            flag.set(0, 1)  # an optimizer step that failed earlier on this rank: stop everywhere, at this step
+        reductions = flag.reductions if flag is not None else 0
+        self.rollback.save()  # a few small copies (normalization statistics, metric states) a failure would need
+        PASS_LEDGER.start_pass()
+        logs: list[LogCall] = []
+        failure = None
+        try:
+            with capture_logs(self.pl_module, logs, total):  # a synchronised self.log is a collective: held back
+                detached, extra = _step_and_backward(loop, kwargs, backward_fn, 1.0)
+        except Exception as err:
+            failure = _LocalFailure.of(err)
+        if failure is None:
+            failed_elsewhere = ddp is not None and flag is not None and _raised(flag, reductions)
+            if not failed_elsewhere:
+                replay_logs(self.pl_module, logs, "training_step")
+                return ClosureResult(detached, extra=extra), None
+        else:
+            if failure.kind == RECOVERABLE_OOM:
+                release_memory()  # outside the except block: the failed attempt's frames are gone
+            replay = self._replay_pass(kwargs) if self.sync_bn else None
+            if ddp is not None and flag is not None and not self._finish_failed_step(ddp, flag, replay):
+                # before DDP's forward, or after the last gradient bucket went: the other ranks cannot be told in
+                # this step. Stop here; they stop at their next collective (the strategy's hang watchdog, or the
+                # process group's timeout, ends a wait for this rank)
+                if failure.error is not None:
+                    raise failure.error
+                raise OOMRecoveryError(
+                    f"{self.owner}: rank {self.rank} ran out of memory where the other ranks cannot be told within the"
+                    " step (before the model's forward, or after its gradients were all reduced):"
+                    f" {failure.description}"
+                )
+        # the step failed on some rank: no rank steps on it. Undo what the attempt changed, on every rank
+        self.rollback.restore()
+        for param in self.params:
+            param.grad = None
+        return None, failure
+
+    def _finish_failed_step(self, ddp: DistributedDataParallel, flag: StepFlag, replay: Any) -> bool:
+        with PASS_LEDGER.replaying():
+            return flag.finish_failed_step(ddp, replay=replay)
+
+    def _replay_pass(self, kwargs: OrderedDict) -> Any:
+        """A function that runs the training step again on the batch's first sample, for its collectives only.
+
+        It calls ``training_step`` directly, not through DDP's forward (which would broadcast again what it broadcast
+        before the failure), under the precision plugin's context, with the step's ``self.log`` calls dropped. Its
+        metric updates and normalization statistics are undone with the failed attempt's.
+        """
+        piece = OrderedDict(kwargs)
+        piece["batch"] = slice_batch(kwargs["batch"], 0, 1)
+        module = self.pl_module
+
+        def replay() -> Tensor:
+            with self.trainer.strategy.precision_plugin.train_step_context(), capture_logs(module, [], 1):
+                output = module.training_step(*piece.values())
+            loss = output.get("loss") if isinstance(output, Mapping) else output
+            if not isinstance(loss, Tensor):
+                raise OOMRecoveryError(
+                    f"{self.owner}: rank {self.rank} ran out of memory in a model with synchronized BatchNorm, and"
+                    " its training_step returned no loss when run again on one sample, so the collectives the other"
+                    " ranks wait in cannot be finished."
+                )
+            return loss.float().sum()
+
+        return replay
 
     def _train_pieces(
         self,
@@ -204,9 +367,25 @@ class MicroBatchTrainer:
                 if failure.kind == RECOVERABLE_OOM:
                     # only now, outside the except block, are the failed attempt's frames and activations gone
                     release_memory(allocated_before)
+                if self.sync_bn:
+                    self._replay_piece(kwargs, pending[0])
                 return failure
             pending.pop(0)
+            if self.sync_bn:
+                return None  # the ranks agree after every micro-batch: each one's collectives must be matched
         return None
+
+    def _replay_piece(self, kwargs: OrderedDict, pending_piece: tuple[Any, int]) -> None:
+        """Issue the synchronised BatchNorm collectives a failed micro-batch (under ``no_sync``) left undone."""
+        piece_kwargs = OrderedDict(kwargs)
+        piece_kwargs["batch"] = pending_piece[0]
+        stashed = _stash_grads(self.params)
+        try:
+            with PASS_LEDGER.replaying(), self._no_sync():
+                self._replay_pass(piece_kwargs)().mul(0.0).backward()
+        finally:
+            _unstash_grads(self.params, stashed)
+        self.rollback.restore()
 
     def _train_piece(
         self,
@@ -226,26 +405,17 @@ class MicroBatchTrainer:
             self.rollback.save()
             saved = True
             stashed, stashing = _stash_grads(self.params), True
+            PASS_LEDGER.start_pass()
             with self._no_sync(), capture_logs(self.pl_module, logs, samples):
                 piece_kwargs = OrderedDict(kwargs)
                 piece_kwargs["batch"] = piece
-                output = loop.training_step(piece_kwargs)
-                loss = output.closure_loss
-                if loss is not None and weight != 1.0:
-                    loss = loss * weight
-                if loss is not None and backward_fn is not None:
-                    backward_fn(loss)
-                detached = loss.detach() if loss is not None else None
-                extra = output.extra
-            del output, loss
+                detached, extra = _step_and_backward(loop, piece_kwargs, backward_fn, weight)
         except Exception as err:
             if stashing:
                 _unstash_grads(self.params, stashed)
             if saved:
                 self.rollback.restore()
-            if not is_out_of_memory(err):
-                return _LocalFailure(OTHER_ERROR, f"{type(err).__name__}: {err}", err)
-            return _LocalFailure(RECOVERABLE_OOM, _first_line(err))
+            return _LocalFailure.of(err)
         _merge_stashed_grads(self.params, stashed)
         done.append(_Piece(samples, detached, extra, logs))
         return None
@@ -373,6 +543,13 @@ def _merge_stashed_grads(params: list[Tensor], stashed: list[Tensor | None] | No
                 old.add_(p.grad)
             # accumulate into the original tensors: DDP may hold them as bucket views
             p.grad = old
+
+
+def _raised(flag: StepFlag, reductions_before: int) -> bool:
+    """Whether a rank raised the flag in this step's reduction: on the CPU a memory load, on a GPU a wait for it."""
+    if flag.reductions == reductions_before or flag.reduced is None:
+        return False  # no synchronised backward ran (a step without a loss)
+    return bool(flag.reduced[0])
 
 
 def _first_line(error: BaseException) -> str:

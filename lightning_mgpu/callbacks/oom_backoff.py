@@ -21,6 +21,7 @@ from lightning_mgpu.utilities.batch_split import batch_size_of, split_batch
 from lightning_mgpu.utilities.distributed_batchnorm import DistributedBatchNorm
 from lightning_mgpu.utilities.micro_batch_policy import MicroBatchSizePolicy
 from lightning_mgpu.utilities.oom import is_out_of_memory, memory_summary, release_memory
+from lightning_mgpu.utilities.step_flag import StepFlag
 from lightning_mgpu.utilities.step_pieces import LogCall, capture_logs, merge_outputs, replay_logs
 from lightning_mgpu.utilities.step_rollback import StepRollback
 from lightning_mgpu.utilities.training_events import EventLog
@@ -46,13 +47,19 @@ class OOMBackoff(Callback):
     torch raises as ``RuntimeError`` (CUDA, HIP, cuDNN, cuBLAS, the CPU allocator). Errors that leave the CUDA
     context unusable (an illegal memory access) and every other error propagate unchanged.
 
-    **Distributed.** Micro-batches run under DDP's ``no_sync()``; the ranks then agree through one small all-reduce
-    on the host (a gloo side group under NCCL) and the gradients are averaged once, in buckets. No gradient
-    collective is ever in flight while a rank may still run out of memory, so an OOM in the forward or the backward
-    on one rank cannot deadlock the others. Every rank adopts the same smaller micro-batch. A rank whose own
-    attempt succeeded keeps it: only the rank that ran out of memory recomputes the samples it had not finished.
-    The cost: DDP's overlap of the gradient all-reduce with the backward, and its communication hooks, are not
-    used while this callback is on (a warning says so if a hook is registered).
+    **Distributed.** While no OOM happens, a batch that runs whole (one batch per optimizer step) runs in
+    Lightning's own closure, DDP's all-reduce overlapping the backward, with no collective of this callback's: the
+    strategy carries a failure flag in the last gradient bucket
+    (:class:`~lightning_mgpu.utilities.step_flag.StepFlag`). A rank whose forward or backward runs out of memory
+    finishes the step's all-reduce with zeros and the flag set (with synchronized BatchNorm, after issuing the
+    layers' remaining collectives from a one-sample replay of ``training_step``); no rank steps, every rank undoes
+    the attempt and runs the batch again in micro-batches. On a GPU the flag is read once per step after the
+    backward (a synchronisation). Micro-batches run under DDP's ``no_sync()``; the ranks then agree through one
+    small all-reduce on the host (a gloo side group under NCCL) and the gradients are averaged once, in buckets.
+    Every rank adopts the same smaller micro-batch. A rank whose own attempt succeeded keeps it (with synchronized
+    BatchNorm every rank starts the batch over, so that all run the same micro-batches). Where the flag cannot ride
+    (PowerSGD, a Lightning ``ddp_comm_hook``, ``find_unused_parameters``, ``static_graph``) every batch takes the
+    micro-batch path, without DDP's overlap and communication hooks (a warning says so if a hook is registered).
 
     **What cannot be recovered fails on every rank at once.** An OOM at ``min_micro_batch_size`` (or on a batch
     with no tensor to split) raises :class:`OOMRecoveryError` with a memory summary. An OOM inside
@@ -77,8 +84,8 @@ class OOMBackoff(Callback):
     size is separate from the training one.
 
     Requirements: automatic optimization; single device, DataParallel or DDP; a ``training_step`` without
-    collectives of its own (synchronized BatchNorm under several processes is refused, because ranks running
-    different numbers of micro-batches would call it a different number of times).
+    collectives of its own other than the strategy's synchronized BatchNorm (torch's ``SyncBatchNorm`` is refused:
+    its collectives cannot be replayed), with the same batch size on every rank when BatchNorm is synchronized.
 
     Logged keys, on the steps Lightning's loggers write: ``oom/micro_batch_size`` (samples; the batch size until the
     first backoff) and ``oom/recoveries`` (count since the start of training). One line is printed on rank 0 for
@@ -219,19 +226,18 @@ class OOMBackoff(Callback):
                 " has. Add it (and use it in the train dataloader) or pass the attribute's name."
             )
         if stage == "fit" and isinstance(trainer.strategy, DDPStrategy):
-            # before the strategy converts the layers: a rank running more micro-batches would sync BatchNorm more often
-            trainer.strategy.decline_auto_sync_batchnorm(
-                f"{type(self).__name__} may run more micro-batches on one rank than on the others"
-            )
+            # before the model is wrapped: a rank that runs out of memory tells the others in the gradient all-reduce
+            trainer.strategy.step_flag = StepFlag(slots=1)
         if self.recover_eval:
             self._install_eval_wrappers(trainer, pl_module)
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._check_strategy(trainer, pl_module)
-        if isinstance(trainer.strategy, DDPStrategy) and trainer.strategy.tunes_buckets:
+        strategy = trainer.strategy
+        if isinstance(strategy, DDPStrategy) and strategy.tunes_buckets and not strategy.step_flag_registered:
             # bucket sizes and hooks change nothing while this callback averages the gradients itself
-            trainer.strategy.disable_bucket_tuning(f"{type(self).__name__} averages gradients outside DDP's buckets")
+            strategy.disable_bucket_tuning(f"{type(self).__name__} averages gradients outside DDP's buckets")
         if self._loader_batch_size is not None:
             # restored from a checkpoint of a run whose batch size was reduced: the loader is built after this hook
             lightning_setattr(pl_module, self.batch_arg_name, self._loader_batch_size)
@@ -266,6 +272,9 @@ class OOMBackoff(Callback):
             self._runner.close()
             self._runner = None
         strategy = trainer.strategy
+        if isinstance(strategy, DDPStrategy) and isinstance(strategy.step_flag, StepFlag):
+            strategy.step_flag.release()
+            strategy.step_flag = None
         for hook_name, wrapper in self._eval_wrappers.items():
             if strategy.__dict__.get(hook_name) is wrapper:
                 delattr(strategy, hook_name)
@@ -413,15 +422,17 @@ class OOMBackoff(Callback):
                     f" processes it needs the model wrapped in DistributedDataParallel, but"
                     f" {type(trainer.strategy).__name__} wraps it in {type(runner_model).__name__}."
                 )
-            synced = [m for m in pl_module.modules() if isinstance(m, (SyncBatchNorm, DistributedBatchNorm))]
+            synced = [m for m in pl_module.modules() if isinstance(m, SyncBatchNorm)]
             if synced:
                 raise MisconfigurationException(
-                    f"{name} cannot back off a model with synchronized BatchNorm ({type(synced[0]).__name__}) under"
-                    " several processes: a rank running more micro-batches than the others would call its"
-                    " collective more often and hang. Turn sync_batchnorm off or remove the callback."
+                    f"{name} cannot back off a model with torch's {type(synced[0]).__name__} under several processes:"
+                    " a rank that fails part way through a step cannot finish the collectives its layers leave"
+                    f" undone. Use {type(trainer.strategy).__name__}(sync_batchnorm=True), whose"
+                    f" {DistributedBatchNorm.__name__} layers {name} can replay, or turn sync_batchnorm off."
                 )
             plain = getattr(trainer.strategy, "plain_reduction_hook", False)  # PerformanceMonitor's timing only
-            if compat.ddp_has_comm_hook(runner_model) and not plain:
+            carried = getattr(trainer.strategy, "step_flag_registered", False)  # the hook is DDP's reduction, kept
+            if compat.ddp_has_comm_hook(runner_model) and not (plain or carried):
                 rank_zero_warn(
                     f"{name}: the DDP communication hook registered on the model is bypassed; gradients are averaged"
                     " in full precision after the local backward passes."

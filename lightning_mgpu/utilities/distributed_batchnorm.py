@@ -1,5 +1,7 @@
 """Batch normalisation synchronised over a process group on any device: gloo on CPU, NCCL on CUDA."""
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -11,6 +13,57 @@ from typing_extensions import override
 from lightning_mgpu import compat
 
 _CONVERTIBLE = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+class CollectiveLedger:
+    """Counts the collectives :class:`DistributedBatchNorm` layers issue in a training pass, so a replay can skip them.
+
+    A rank whose forward or backward failed part way must still take part in the collectives the other ranks issue
+    in that pass, in the same order. It runs the pass again on a sample or two inside :meth:`replaying`: the layers'
+    first gathers and reductions, the ones it issued before failing, are then computed from the local batch alone,
+    and the rest go out as usual. The numbers are per process; :meth:`start_pass` begins a new pass.
+
+    Example::
+
+        PASS_LEDGER.start_pass()
+        try:
+            loss = model(batch).mean()
+            loss.backward()
+        except torch.OutOfMemoryError:
+            with PASS_LEDGER.replaying():
+                model(batch[:1]).mean().mul(0.0).backward()  # the collectives the others still wait in
+    """
+
+    def __init__(self) -> None:
+        self.gathers = 0  # forward all-gathers issued in this pass
+        self.reductions = 0  # backward all-reduces issued in this pass
+        self.skip_gathers = 0
+        self.skip_reductions = 0
+
+    def start_pass(self) -> None:
+        """A new training pass: nothing issued yet."""
+        self.gathers = self.reductions = 0
+
+    @contextmanager
+    def replaying(self) -> Iterator[None]:
+        """Run the failed pass again: the collectives it issued before failing are skipped, the rest issued."""
+        self.skip_gathers, self.skip_reductions = self.gathers, self.reductions
+        self.gathers = self.reductions = 0
+        try:
+            yield
+        finally:
+            self.skip_gathers = self.skip_reductions = 0
+
+    def gather_skipped(self) -> bool:
+        """Whether the next forward gather is one the failed pass issued already."""
+        return self.gathers < self.skip_gathers
+
+    def reduction_skipped(self) -> bool:
+        """Whether the next backward reduction is one the failed pass issued already."""
+        return self.reductions < self.skip_reductions
+
+
+PASS_LEDGER = CollectiveLedger()
 
 
 class DistributedBatchNorm(compat.BatchNormLayer):
@@ -128,14 +181,19 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         count, local_mean, local_m2 = _local_moments(x)
 
         packed = torch.cat([x.new_full((1,), count), local_mean, local_m2])
-        # gloo accepts only the flat (concatenated) output layout, not the stacked one
-        gathered = packed.new_empty(world_size * packed.numel())
-        _all_gather_into(gathered, packed, group)
-        total, mean, m2 = _merge_moments(gathered.view(world_size, -1), channels)
+        replayed = PASS_LEDGER.gather_skipped()  # issued before this rank's pass failed: the local batch alone
+        if replayed:
+            gathered = packed
+        else:
+            # gloo accepts only the flat (concatenated) output layout, not the stacked one
+            gathered = packed.new_empty(world_size * packed.numel())
+            _all_gather_into(gathered, packed, group)
+        PASS_LEDGER.gathers += 1  # counted once issued: an allocation that failed before issued nothing
+        total, mean, m2 = _merge_moments(gathered.view(-1, packed.numel()), channels)
 
         # only a rank with at most one value can be part of a global batch of at most one value, and then all are:
         # the ranks raise together, and the others need no host synchronisation
-        if count <= 1 and total.item() <= 1:
+        if not replayed and count <= 1 and total.item() <= 1:
             raise ValueError(
                 f"Expected more than 1 value per channel when training, got input size {input.size()}"
                 f" ({int(total.item())} value(s) per channel over {world_size} ranks)"
@@ -175,7 +233,9 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         # model, not of the batch
         if ctx.needs_input_grad[0]:
             global_sums = torch.cat([sum_dy, sum_dy_xhat])
-            dist.all_reduce(global_sums, op=dist.ReduceOp.SUM, group=ctx.group)
+            if not PASS_LEDGER.reduction_skipped():
+                dist.all_reduce(global_sums, op=dist.ReduceOp.SUM, group=ctx.group)
+            PASS_LEDGER.reductions += 1
             mean_dy, mean_dy_xhat = (global_sums / total).view(2, -1)
             scale = invstd if weight is None else invstd * weight.to(compute_dtype)
             grad_x = (dy - mean_dy.view(shape) - xhat * mean_dy_xhat.view(shape)) * scale.view(shape)

@@ -99,7 +99,12 @@ class StepFlag:
         return tuple(self._local)
 
     def finish_failed_step(
-        self, ddp: DistributedDataParallel, slot: int = 0, value: int = 1, synced: bool = True
+        self,
+        ddp: DistributedDataParallel,
+        slot: int = 0,
+        value: int = 1,
+        synced: bool = True,
+        replay: Callable[[], Tensor] | None = None,
     ) -> bool:
         """Take part in the step's gradient reduction with zeros, after this rank's forward or backward raised.
 
@@ -120,6 +125,10 @@ class StepFlag:
             value: what it adds there.
             synced: ``False`` for a pass under ``no_sync()`` (gradient accumulation): it sent nothing, so nothing is
                 finished; the contribution goes out with the next synchronised pass.
+            replay: runs the model's forward again (not through DDP's forward), on a sample or two, and returns a scalar
+                to run the backward from; for a model whose layers run collectives of their own in the pass
+                (synchronised BatchNorm), so that they are issued in the order the other ranks issue them. By
+                default the backward runs from the parameters alone.
 
         Returns:
             Whether the failure is now known to the reduction: ``True`` when finished here, or when ``synced`` is
@@ -139,10 +148,14 @@ class StepFlag:
         params = [param for name, param in ddp.module.named_parameters() if param.requires_grad and name not in ignored]
         compat.expect_ddp_backward(ddp)
         try:
-            # a graph from the parameters alone: every one gets a zero gradient, so every bucket becomes ready
-            torch.stack([param.sum() for param in params]).sum().mul(0.0).backward()
+            if replay is None:
+                # a graph from the parameters alone: every one gets a zero gradient, so every bucket becomes ready
+                torch.stack([param.sum() for param in params]).sum().mul(0.0).backward()
+            else:
+                replay().mul(0.0).backward()
         finally:
             self._replay_from = None
+            self.in_pass = False
         return True
 
     def release(self) -> None:

@@ -1,5 +1,6 @@
 """OOMBackoff across 2 real gloo processes (Lightning re-runs a script for rank 1), with out-of-memory errors
-injected on rank 1 only: in the forward, in the backward, and in the optimizer step."""
+injected on rank 1 only: in the forward, in the backward, and in the optimizer step; with BatchNorm synchronised
+across the ranks, and without."""
 
 from pathlib import Path
 
@@ -42,28 +43,63 @@ def every_index_once_per_epoch(dumps: list[dict]) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("where", ["forward", "backward"])
-def test_an_oom_on_one_rank_is_recovered_on_both(tmp_path, reference, where):
-    result, dumps = run_fit(tmp_path, "--inject", where, "--rank", 1)
+@pytest.mark.parametrize("from_batch", [0, 1])  # the first step (before DDP's bucket rebuild) or a later one
+def test_an_oom_on_one_rank_is_recovered_on_both(tmp_path, reference, where, from_batch):
+    result, dumps = run_fit(tmp_path, "--inject", where, "--rank", 1, "--oom-from-batch", from_batch)
     assert result["rc"] == 0, result["output"][-3000:]
     assert "rank 1 ran out of memory at micro-batch size 8" in result["output"]
 
     assert [d["exception"] for d in dumps] == [None, None]
     assert [d["micro_batch_size"] for d in dumps] == [4, 4]
     assert [d["recoveries"] for d in dumps] == [1, 1]
+    # the batches before the failure ran whole, DDP's reduction carrying the flag; the rest in micro-batches
+    assert [d["flag_carried"] for d in dumps] == [True, True]
+    assert [d["whole_batches"] for d in dumps] == [from_batch, from_batch]
     assert_params_close(dumps[0]["params"], dumps[1]["params"], atol=0)  # identical replicas
     assert_params_close(dumps[0]["params"], reference[0]["params"], atol=1e-5)  # the trajectory asked for
     # the metric that records indices (undone after a failed attempt) holds every sample once per epoch
     every_index_once_per_epoch(dumps)
-    # rank 0 never ran out of memory: its training_step saw each of its samples once, never recomputed
+    # the plain Python lists, which nothing undoes: rank 0's whole batch ran before rank 1's failure reached it,
+    # and ran again in micro-batches, so it holds that batch's 8 samples twice
     rank0_seen = [i for batch in dumps[0]["seen"] for i in batch]
-    assert sorted(rank0_seen) == sorted(i for epoch in dumps[0]["epoch_indices"] for i in epoch)
+    assert len(rank0_seen) == NUM_SAMPLES + 8
     rank1_seen = [i for batch in dumps[1]["seen"] for i in batch]
     if where == "forward":
-        # the failed attempt stopped before the list was appended to: every sample once on rank 1 too
+        # the failed attempt stopped before the list was appended to: every sample once on rank 1
         assert sorted(rank1_seen) == sorted(i for epoch in dumps[1]["epoch_indices"] for i in epoch)
     else:
-        # the failed attempt's forward finished: the plain list (not undone) holds its 8 samples once more
+        # the failed attempt's forward finished: the list holds its 8 samples once more
         assert len(rank1_seen) == NUM_SAMPLES + 8
+
+
+@pytest.mark.distributed
+def test_an_oom_on_both_ranks_in_the_same_step_is_recovered(tmp_path, reference):
+    result, dumps = run_fit(tmp_path, "--inject", "backward", "--rank", -1, "--oom-from-batch", 1)
+    assert result["rc"] == 0, result["output"][-3000:]
+    assert "rank 1 ran out of memory at micro-batch size 8" in result["output"]
+    assert [d["micro_batch_size"] for d in dumps] == [4, 4]
+    assert [d["recoveries"] for d in dumps] == [1, 1]
+    assert_params_close(dumps[0]["params"], dumps[1]["params"], atol=0)
+    assert_params_close(dumps[0]["params"], reference[0]["params"], atol=1e-5)
+    every_index_once_per_epoch(dumps)
+
+
+@pytest.mark.distributed
+def test_with_no_oom_a_step_runs_the_collectives_of_ddp_alone(tmp_path):
+    # a steady step (after the bucket rebuild), counted by the profiler: DDP's own gradient all-reduces, with the
+    # flag riding in the last one, and no agreement, no reduce after the backward, no broadcast of ours
+    runs = {}
+    for name, extra in (("backoff", ()), ("alone", ("--no-backoff",))):
+        out = tmp_path / name
+        result, dumps = run_fit(out, "--inject", "none", "--profile-step", 2, *extra)
+        assert result["rc"] == 0, result["output"][-3000:]
+        runs[name] = dumps
+    for rank in range(2):
+        alone, backoff = runs["alone"][rank], runs["backoff"][rank]
+        assert alone["collectives"].get("gloo:all_reduce", 0) >= 1  # the profiler sees DDP's reduction
+        assert backoff["collectives"] == alone["collectives"], rank
+        assert backoff["whole_batches"] == 4  # 2 epochs of 2 batches per rank: every batch ran whole
+        assert_params_close(backoff["params"], alone["params"], atol=0)  # and trained bit for bit the same
 
 
 @pytest.mark.distributed
@@ -85,3 +121,57 @@ def test_an_oom_in_the_last_optimizer_step_on_one_rank_stops_both(tmp_path):
     assert result["rc"] != 0
     assert [d["exception"]["type"] for d in dumps] == ["OOMRecoveryError", "OOMRecoveryError"]
     assert dumps[0]["global_step"] == 3  # rank 0 finished the step rank 1 failed
+
+
+@pytest.fixture(scope="module")
+def sync_bn_reference(tmp_path_factory) -> list[dict]:
+    """Stock Lightning with synchronised BatchNorm: micro-batches of 4 with gradient accumulation from the start.
+
+    Each BatchNorm forward normalises with the statistics of that micro-batch over both ranks, as OOMBackoff's
+    micro-batches do once every rank backs off the same way.
+    """
+    out = tmp_path_factory.mktemp("sync_bn_reference")
+    args = ("--inject", "none", "--batch-size", 4, "--accumulate", 2, "--no-backoff", "--sync-bn")
+    result, dumps = run_fit(out, *args)
+    assert result["rc"] == 0, result["output"][-3000:]
+    return dumps
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_an_oom_on_one_rank_with_synchronised_batchnorm_is_recovered_on_both(tmp_path, sync_bn_reference, where):
+    # the forward fails after the BatchNorm layer gathered its statistics, the backward before the layer reduced its
+    # sums: rank 1 replays the rest of the step's collectives on one sample, in the order rank 0 issues them
+    result, dumps = run_fit(tmp_path, "--inject", where, "--rank", 1, "--sync-bn")
+    assert result["rc"] == 0, result["output"][-3000:]
+    assert "rank 1 ran out of memory at micro-batch size 8" in result["output"]
+    assert [d["exception"] for d in dumps] == [None, None]
+    assert [d["micro_batch_size"] for d in dumps] == [4, 4]
+    assert [d["flag_carried"] for d in dumps] == [True, True]
+    assert "norm.running_mean" in dumps[0]["params"]
+    assert_params_close(dumps[0]["params"], dumps[1]["params"], atol=0)  # running statistics included
+    # every later batch ran as 2 micro-batches on both ranks, normalised over both ranks' micro-batch
+    assert_params_close(dumps[0]["params"], sync_bn_reference[0]["params"], atol=1e-5)
+    every_index_once_per_epoch(dumps)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_later_oom_with_synchronised_batchnorm_keeps_the_ranks_identical(tmp_path, where):
+    # after DDP's bucket rebuild, following a whole batch: the replay skips the buckets already sent as well
+    result, dumps = run_fit(tmp_path, "--inject", where, "--rank", 1, "--sync-bn", "--oom-from-batch", 1)
+    assert result["rc"] == 0, result["output"][-3000:]
+    assert [d["recoveries"] for d in dumps] == [1, 1]
+    assert [d["whole_batches"] for d in dumps] == [1, 1]
+    assert_params_close(dumps[0]["params"], dumps[1]["params"], atol=0)
+    assert all(torch.isfinite(v).all() for v in dumps[0]["params"].values())
+    every_index_once_per_epoch(dumps)
+
+
+@pytest.mark.distributed
+def test_an_oom_in_the_optimizer_step_with_synchronised_batchnorm_stops_both(tmp_path):
+    result, dumps = run_fit(tmp_path, "--inject", "step", "--rank", 1, "--sync-bn", timeout=120)
+    assert result["rc"] != 0
+    assert result["seconds"] < 60, "the ranks waited for a collective timeout instead of stopping together"
+    assert [d["exception"]["type"] for d in dumps] == ["OOMRecoveryError", "OOMRecoveryError"]
+    assert "rank 1 ran out of memory inside the optimizer step; every rank stops" in dumps[0]["exception"]["message"]

@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -18,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 from lightning.pytorch import Callback, Trainer
+from torch.profiler import ProfilerActivity, profile
 
 from lightning_mgpu import MultiGPUStrategy, OOMBackoff
 from tests.helpers.oom_models import IndexedRegression
@@ -25,9 +27,28 @@ from tests.helpers.trainer import QUIET
 
 
 class SaveRankState(Callback):
-    def __init__(self, out: Path, backoff: OOMBackoff | None) -> None:
+    def __init__(self, out: Path, backoff: OOMBackoff | None, profile_batch: int | None = None) -> None:
         self.out, self.backoff, self.start = out, backoff, time.monotonic()
         self.exception: dict | None = None
+        self.profile_batch, self.profiler = profile_batch, None
+        self.collectives: dict[str, int] | None = None
+        self.whole_batches = 0
+        self.flag_carried = False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.profile_batch:
+            self.profiler = profile(activities=[ProfilerActivity.CPU])
+            self.profiler.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.profiler is not None:
+            self.profiler.__exit__(None, None, None)
+            events = self.profiler.events()
+            self.collectives = dict(Counter(e.name for e in events if e.name.startswith("gloo:")))
+            self.profiler = None
+        runner = self.backoff._runner if self.backoff is not None else None
+        self.whole_batches = runner.whole_batches if runner is not None else 0
+        self.flag_carried = getattr(trainer.strategy, "step_flag_registered", False)  # teardown resets it
 
     def on_exception(self, trainer, pl_module, exception):
         self.exception = {"type": type(exception).__name__, "message": str(exception)}
@@ -46,6 +67,9 @@ class SaveRankState(Callback):
             "exception": self.exception,
             "seconds": time.monotonic() - self.start,
             "global_step": trainer.global_step,
+            "collectives": self.collectives,
+            "whole_batches": self.whole_batches,
+            "flag_carried": self.flag_carried,
         }
         torch.save(state, self.out / f"rank{trainer.global_rank}.pt")
 
@@ -54,12 +78,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--inject", choices=["none", "forward", "backward", "step"], default="forward")
-    parser.add_argument("--rank", type=int, default=1)
+    parser.add_argument("--rank", type=int, default=1, help="the rank that runs out of memory; -1 for every rank")
+    parser.add_argument("--oom-from-batch", type=int, default=0, help="inject from this batch of each epoch on")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--no-backoff", action="store_true")
     parser.add_argument("--step-oom-at", type=int, default=3)
     parser.add_argument("--max-steps", type=int, default=-1)
+    parser.add_argument("--sync-bn", action="store_true", help="a BatchNorm layer, synchronised across the ranks")
+    parser.add_argument("--profile-step", type=int, help="count the gloo collectives of this optimizer step")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model = IndexedRegression(
@@ -67,15 +94,17 @@ def main() -> None:
         batch_size=args.batch_size,
         oom_above=4 if args.inject in ("forward", "backward") else None,
         oom_in=args.inject if args.inject in ("forward", "backward") else "forward",
-        oom_ranks=(args.rank,),
+        oom_ranks=None if args.rank < 0 else (args.rank,),
+        oom_from_batch=args.oom_from_batch,
+        batchnorm=args.sync_bn,
         step_oom_at=args.step_oom_at if args.inject == "step" else None,
     )
     backoff = None if args.no_backoff else OOMBackoff()
-    callbacks = [SaveRankState(args.out, backoff)] + ([backoff] if backoff else [])
+    callbacks = [SaveRankState(args.out, backoff, args.profile_step)] + ([backoff] if backoff else [])
     trainer = Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=MultiGPUStrategy(mode="ddp"),
+        strategy=MultiGPUStrategy(mode="ddp", sync_batchnorm=args.sync_bn),
         max_epochs=2,
         max_steps=args.max_steps,
         accumulate_grad_batches=args.accumulate,

@@ -76,8 +76,15 @@ def test_one_process_has_nothing_to_tune(tmp_path):
     assert strategy.bucket_tuning.bucket_cap_mb is None
 
 
-def test_oom_backoff_turns_tuning_off(tmp_path):
+def test_oom_backoff_keeps_tuning_when_its_flag_rides_in_ddps_reduction(tmp_path):
     strategy = fit_one_process(DDPStrategy(bucket_cap_mb="auto", bucket_tuning_steps=10), tmp_path, [OOMBackoff()])
+    assert strategy.bucket_tuning.reason == "one process: no gradients are communicated"  # not OOMBackoff's
+
+
+def test_oom_backoff_turns_tuning_off_when_its_flag_cannot_ride(tmp_path):
+    # DDP's unused-parameter search keeps state a failed step could not be finished in: no flag, micro-batch path
+    strategy = DDPStrategy(bucket_cap_mb="auto", bucket_tuning_steps=10, find_unused_parameters=True)
+    strategy = fit_one_process(strategy, tmp_path, [OOMBackoff()])
     assert strategy.bucket_tuning.reason == "OOMBackoff averages gradients outside DDP's buckets"
 
 
