@@ -6,8 +6,10 @@ size, the configurations alternate over rounds inside the same pair of processes
 forward and backward (where the hooks run) per configuration, and each hook's ratio to the built-in reduction in the
 same round. The flagged hook is a Python hook per bucket (DDP's own reduction runs in C++), and the last bucket
 travels in a buffer of its own, one more pass over it. ``torch_hook`` is torch's Python ``allreduce_hook``: what any
-Python hook costs. Two processes on two cores spread the per-round ratios over 0.85-1.3; ``--world-size 1`` times
-the same hooks with no peer to wait for.
+Python hook costs. ``in_place`` is the flag as OOMBackoff carries it: one bit in the last bucket itself, and the
+loss's gradient scaled by 1/world size instead of each bucket divided (no pass of the hook's own). Two processes
+on two cores spread the per-round ratios over 0.85-1.3; ``--world-size 1`` times the same hooks with no peer to
+wait for.
 
     python benchmarks/step_flag_overhead.py --rounds 9
     python benchmarks/step_flag_overhead.py --rounds 9 --world-size 1
@@ -29,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_mgpu.utilities.step_flag import StepFlag, register_flagged_hook
 
 BUCKET_SIZES_MB = (25.0, 1.0)  # one bucket for this 8.4 MB model after the rebuild, and about nine
-CONFIGS = ("builtin", "torch_hook", "flagged")
+CONFIGS = ("builtin", "torch_hook", "flagged", "in_place")
 
 
 def _model() -> nn.Module:
@@ -37,7 +39,9 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
 
 
-def _median_backward_ms(model: DistributedDataParallel, steps: int, warmup: int, rank: int) -> float:
+def _median_backward_ms(
+    model: DistributedDataParallel, steps: int, warmup: int, rank: int, grad_scale: float = 1.0
+) -> float:
     """The median time of forward and backward, where the hooks run (the optimizer step is the same for all)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(rank)
@@ -46,7 +50,10 @@ def _median_backward_ms(model: DistributedDataParallel, steps: int, warmup: int,
     for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)
         start = time.perf_counter()
-        nn.functional.cross_entropy(model(x), y).backward()
+        loss = nn.functional.cross_entropy(model(x), y)
+        if grad_scale != 1.0:
+            loss.register_hook(lambda grad: grad * grad_scale)
+        loss.backward()
         times.append(time.perf_counter() - start)
         optimizer.step()
     return 1000 * statistics.median(times[warmup:])
@@ -61,11 +68,16 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue: "mp.Queue") -
             order = CONFIGS if round_index % 2 == 0 else tuple(reversed(CONFIGS))
             for name in order:
                 model = DistributedDataParallel(_model(), bucket_cap_mb=bucket_mb)
+                grad_scale = 1.0
                 if name == "flagged":
                     register_flagged_hook(model, StepFlag(process_group=model.process_group), "mean")
+                elif name == "in_place":
+                    flag = StepFlag(slots=1, process_group=model.process_group, in_place=True, divide=False)
+                    register_flagged_hook(model, flag, "mean")
+                    grad_scale = flag.loss_scale
                 elif name == "torch_hook":  # torch's Python allreduce_hook: what any Python hook costs
                     model.register_comm_hook(model.process_group, allreduce_hook)
-                step_ms = _median_backward_ms(model, args.steps, args.warmup, rank)
+                step_ms = _median_backward_ms(model, args.steps, args.warmup, rank, grad_scale)
                 results.setdefault((bucket_mb, name), []).append(step_ms)
     if rank == 0:
         queue.put(results)

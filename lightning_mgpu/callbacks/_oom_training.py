@@ -107,9 +107,12 @@ class _LocalFailure:
 
 
 def _step_and_backward(
-    loop: "BackoffOptimization", kwargs: OrderedDict, backward_fn: Any, weight: float
+    loop: "BackoffOptimization", kwargs: OrderedDict, backward_fn: Any, weight: float, grad_scale: float = 1.0
 ) -> tuple[Tensor | None, dict[str, Any]]:
     """Run Lightning's training step on ``kwargs`` and the backward of its loss times ``weight``.
+
+    ``grad_scale`` multiplies the gradient the backward starts from, not the loss the hooks and loggers see (the
+    step flag's hooks leave the division by the world size to it).
 
     Returns the weighted loss, detached, and the step's other outputs.
     """
@@ -117,6 +120,8 @@ def _step_and_backward(
     loss = output.closure_loss
     if loss is not None and weight != 1.0:
         loss = loss * weight
+    if loss is not None and grad_scale != 1.0 and loss.requires_grad:
+        loss.register_hook(lambda grad: grad * grad_scale)
     if loss is not None and backward_fn is not None:
         backward_fn(loss)
     return (loss.detach() if loss is not None else None), output.extra
@@ -287,13 +292,14 @@ class MicroBatchTrainer:
         if ddp is not None and flag is not None and self.pending_failure is not None:
             flag.set(0, 1)  # an optimizer step that failed earlier on this rank: stop everywhere, at this step
         reductions = flag.reductions if flag is not None else 0
+        grad_scale = flag.loss_scale if ddp is not None and flag is not None else 1.0
         self.rollback.save()  # a few small copies (normalization statistics, metric states) a failure would need
         PASS_LEDGER.start_pass()
         logs: list[LogCall] = []
         failure = None
         try:
             with capture_logs(self.pl_module, logs, total):  # a synchronised self.log is a collective: held back
-                detached, extra = _step_and_backward(loop, kwargs, backward_fn, 1.0)
+                detached, extra = _step_and_backward(loop, kwargs, backward_fn, 1.0, grad_scale)
         except Exception as err:
             failure = _LocalFailure.of(err)
         if failure is None:
@@ -547,9 +553,10 @@ def _merge_stashed_grads(params: list[Tensor], stashed: list[Tensor | None] | No
 
 def _raised(flag: StepFlag, reductions_before: int) -> bool:
     """Whether a rank raised the flag in this step's reduction: on the CPU a memory load, on a GPU a wait for it."""
-    if flag.reductions == reductions_before or flag.reduced is None:
+    raised = flag.raised()
+    if flag.reductions == reductions_before or raised is None:
         return False  # no synchronised backward ran (a step without a loss)
-    return bool(flag.reduced[0])
+    return bool(raised)
 
 
 def _first_line(error: BaseException) -> str:

@@ -227,7 +227,8 @@ class OOMBackoff(Callback):
             )
         if stage == "fit" and isinstance(trainer.strategy, DDPStrategy):
             # before the model is wrapped: a rank that runs out of memory tells the others in the gradient all-reduce
-            trainer.strategy.step_flag = StepFlag(slots=1)
+            # (one bit, in the last bucket itself; the loss's gradient is scaled instead of each bucket divided)
+            trainer.strategy.step_flag = StepFlag(slots=1, in_place=True, divide=False)
         if self.recover_eval:
             self._install_eval_wrappers(trainer, pl_module)
 

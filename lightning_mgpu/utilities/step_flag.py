@@ -26,6 +26,7 @@ Example::
     loss.backward()  # flag.reduced: the sums over ranks, on the device
 """
 
+import math
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -35,7 +36,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_mgpu import compat
-from lightning_mgpu.utilities.validation import check_choice, check_int
+from lightning_mgpu.utilities.validation import check_bool, check_choice, check_int
 
 FlaggedHookName = Literal["mean", "fp16", "bf16"]
 FLAGGED_HOOK_NAMES: tuple[str, ...] = ("mean", "fp16", "bf16")
@@ -51,21 +52,40 @@ class StepFlag:
     Contributions set with :meth:`set` go out with the next bucket DDP marks as last, and are then reset to 0, so
     each counts for one synchronised backward pass. After that backward, :attr:`reduced` holds the sums over ranks of
     every slot: a device tensor of its own (the next step does not overwrite it), in the dtype the bucket travelled
-    in, that nothing here reads on the host.
+    in, that nothing here reads on the host. :meth:`raised` says whether any rank contributed anything.
+
+    **In place** (``in_place=True``, for the ``"mean"`` hook): the last bucket is reduced where it is, with no longer
+    message and no copy. The ranks then agree on one bit instead of sums: a rank that contributes anything makes the
+    first element of its last bucket infinite (its gradients are not meant to be used), so the reduced element is
+    not finite on every rank; :attr:`reduced` is that element, and :meth:`raised` tests it. A gradient that is not
+    finite there by itself reads as raised too. ``divide=False`` leaves the averaging to the caller, who scales the
+    loss's gradient by :attr:`loss_scale` (a tensor hook on the loss): the ``"mean"`` hook then sums, with no pass
+    over the buckets of its own (the ``fp16``/``bf16`` hooks still divide after their cast, as torch's do, and
+    :attr:`loss_scale` is then 1). On the CPU, where that pass and the copy are the hook's cost, these two halve it
+    or better.
 
     Args:
         slots: how many numbers each rank contributes per step, at least 1.
         process_group: the group the gradients are averaged over; ``None`` for the default group.
+        in_place: carry one bit in the ``"mean"`` hook's last bucket itself (the ``fp16``/``bf16`` hooks cast into a
+            buffer of their own anyway, and carry the sums).
+        divide: whether the ``"mean"`` hook divides by the world size; ``False`` when the caller scales the loss's
+            gradient by :attr:`loss_scale`.
 
     Raises:
-        TypeError: a ``slots`` that is not an int.
+        TypeError: a ``slots`` that is not an int, an ``in_place`` or ``divide`` that is not a bool.
         ValueError: a ``slots`` below 1.
     """
 
-    def __init__(self, slots: int = 2, process_group: Any = None) -> None:
-        check_int(type(self).__name__, "slots", slots, minimum=1)
+    def __init__(self, slots: int = 2, process_group: Any = None, in_place: bool = False, divide: bool = True) -> None:
+        owner = type(self).__name__
+        check_int(owner, "slots", slots, minimum=1)
+        check_bool(owner, "in_place", in_place)
+        check_bool(owner, "divide", divide)
         self.slots = slots
         self.process_group = process_group
+        self.in_place = in_place
+        self.divide = divide
         self._local = [0] * slots
         self.reduced: Tensor | None = None
         self.reductions = 0  # backward passes whose last bucket carried the contributions
@@ -75,6 +95,8 @@ class StepFlag:
         self._replay_from: int | None = None  # during a replay: buckets below this index went out already
         self._last_message: Tensor | None = None
         self._pass_hook: Any = None  # the forward pre-hook's handle
+        self._carried_in_place = False  # whether the last reduction carried the bit in the bucket itself
+        self.hook_name: str | None = None  # the flagged hook registered last
 
     def _forward_started(self, module: Any, args: Any) -> None:
         """A forward pre-hook on the DDP model's module: a new pass, if gradients are on (validation's are not)."""
@@ -92,6 +114,22 @@ class StepFlag:
         check_int(owner, "slot", slot, minimum=0, maximum=self.slots - 1)
         check_int(owner, "value", value, minimum=0, maximum=MAX_CONTRIBUTION)
         self._local[slot] = value
+
+    @property
+    def loss_scale(self) -> float:
+        """What the caller scales the loss's gradient by: 1 / world size for the undivided ``"mean"`` hook, else 1."""
+        if self.divide or self.hook_name != "mean":
+            return 1.0
+        return 1.0 / dist.get_world_size(self.process_group)
+
+    def raised(self) -> Tensor | None:
+        """A boolean device tensor: whether any rank contributed in the last reduction; ``None`` before the first."""
+        reduced = self.reduced
+        if reduced is None:
+            return None
+        if self._carried_in_place:
+            return ~torch.isfinite(reduced[0])
+        return (reduced != 0).any()
 
     @property
     def pending(self) -> tuple[int, ...]:
@@ -211,18 +249,24 @@ def flagged_hook(name: FlaggedHookName) -> Callable[[StepFlag, dist.GradBucket],
                 done.set_result(buffer)
                 return done
             buffer.zero_()
-        if not last and wire is None:
-            sent = buffer.mul_(1.0 / world_size)  # DDP's own reduction multiplies by the reciprocal
+        divide = flag.divide or wire is not None  # the compress hooks divide after the cast, as torch's do
+        in_place = wire is None and (not last or flag.in_place)
+        if in_place:
+            sent = buffer.mul_(1.0 / world_size) if divide else buffer  # DDP multiplies by the reciprocal
+            if last and any(flag._take()):
+                sent[:1].fill_(math.inf)  # infinite after the sum, on every rank
         else:
             size = buffer.numel()
             if last:
                 sent = flag._message(size + flag.slots, wire or buffer.dtype, buffer)
             else:
                 sent = buffer.new_empty(size, dtype=wire)
-            if wire is None:
+            if wire is not None:
+                sent[:size].copy_(buffer).div_(world_size)  # cast first, then divide: torch's compress hooks
+            elif divide:
                 torch.mul(buffer, 1.0 / world_size, out=sent[:size])  # the same, into the longer buffer
             else:
-                sent[:size].copy_(buffer).div_(world_size)  # cast first, then divide: torch's compress hooks
+                sent[:size].copy_(buffer)
             if last:
                 _write_contributions(sent[size:], flag._take())
         future = dist.all_reduce(sent, group=group, async_op=True).get_future()
@@ -230,7 +274,9 @@ def flagged_hook(name: FlaggedHookName) -> Callable[[StepFlag, dist.GradBucket],
         def unpack(done: torch.futures.Future) -> Tensor:
             reduced = done.value()[0]
             if last:
-                flag.reduced = reduced[buffer.numel() :].clone()  # its own: the buffer is the next step's message
+                # its own: the bucket (or the message) is the next step's
+                flag.reduced = reduced[:1].clone() if in_place else reduced[buffer.numel() :].clone()
+                flag._carried_in_place = in_place
                 flag.reductions += 1
             if wire is None:  # the bucket itself, reduced in place, or the longer message, which DDP copies in
                 return reduced[: buffer.numel()]
@@ -280,5 +326,6 @@ def register_flagged_hook(
             )
     hook = flagged_hook(name)
     model.register_comm_hook(flag, wrap(hook) if wrap else hook)
+    flag.hook_name = name
     flag.release()  # a model wrapped again (bucket tuning): one pre-hook, on the module in use
     flag._pass_hook = model.module.register_forward_pre_hook(flag._forward_started)

@@ -1,6 +1,7 @@
 """The flag-carrying DDP hooks: DDP's own gradients, the ranks' numbers summed, and no collective more."""
 
 import contextlib
+import math
 from collections import Counter
 from typing import Any
 
@@ -45,7 +46,10 @@ def _step(model: DistributedDataParallel, rank: int, step: int, flag: StepFlag |
 
         handle = model.module[0].register_forward_hook(raise_flag)
     try:
-        nn.functional.cross_entropy(model(x), y).backward()
+        loss = nn.functional.cross_entropy(model(x), y)
+        if flag is not None and not flag.divide:  # the caller averages: the loss's gradient is scaled
+            loss.register_hook(lambda grad: grad * flag.loss_scale)
+        loss.backward()
     finally:
         if handle is not None:
             handle.remove()
@@ -65,17 +69,23 @@ def _recording(hook: Any, seen: set[int]) -> Any:
     return recording
 
 
+# the hooks, and how the flag rides: as sums in a longer last message, or as one bit in the last bucket itself with
+# the loss's gradient scaled instead of each bucket divided
+FLAG_MODES = [(name, "sums") for name in FLAGGED_HOOK_NAMES] + [("mean", "in place"), ("fp16", "undivided")]
+
+
 def _flag_cases(rank: int, world_size: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    for name in FLAGGED_HOOK_NAMES:
+    for name, mode in FLAG_MODES:
         for as_view in (False, True):
             reference, ours = _model(as_view), _model(as_view)
             if name != "mean":  # the pack's compress hooks (torch's fp16 one; a bf16 one that works on gloo too)
                 register_comm_hook(reference, name)
-            flag = StepFlag(slots=2, process_group=ours.process_group)
+            in_place, divide = mode == "in place", mode == "sums"
+            flag = StepFlag(slots=2, process_group=ours.process_group, in_place=in_place, divide=divide)
             buckets: set[int] = set()
             register_flagged_hook(ours, flag, name, wrap=lambda hook, seen=buckets: _recording(hook, seen))
-            same, reduced = [], []
+            same, reduced, raised = [], [], []
             for step in range(STEPS):
                 for at, who, slot, value in RAISED:
                     if at == step and who == rank:
@@ -84,10 +94,12 @@ def _flag_cases(rank: int, world_size: int) -> dict[str, Any]:
                 _step(ours, rank, step, flag)
                 same.append(all(torch.equal(a, b) for a, b in zip(_grads(reference), _grads(ours), strict=True)))
                 reduced.append(flag.reduced.tolist())
+                raised.append(bool(flag.raised()))
                 assert flag.pending == (0, 0)  # taken by the last bucket
-            results[f"{name}-{as_view}"] = {
+            results[f"{name}-{mode}-{as_view}"] = {
                 "same": same,
                 "reduced": reduced,
+                "raised": raised,
                 "reductions": flag.reductions,
                 "buckets": buckets,
                 "dtype": flag.reduced.dtype,
@@ -125,15 +137,22 @@ def _expected_sums() -> list[list[int]]:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("as_view", [False, True])
-@pytest.mark.parametrize("name", FLAGGED_HOOK_NAMES)
-def test_flagged_hook_gives_ddps_gradients_and_every_rank_the_sums(flag_cases, name, as_view):
+@pytest.mark.parametrize(("name", "mode"), FLAG_MODES)
+def test_flagged_hook_gives_ddps_gradients_and_every_rank_the_sums(flag_cases, name, mode, as_view):
     for rank, results in enumerate(flag_cases):
-        case = results[f"{name}-{as_view}"]
-        assert all(case["same"]), (rank, case["same"])  # bit for bit, the first step (before the rebuild) included
+        case = results[f"{name}-{mode}-{as_view}"]
+        # bit for bit, the first step (before the rebuild) included; a loss gradient scaled by 1/2 is exact. In
+        # place, a step where a rank raised the bit has an infinite gradient element: such a step is to be dropped
+        expected_same = [not any(sums) for sums in _expected_sums()] if mode == "in place" else [True] * STEPS
+        assert case["same"] == expected_same, rank
         assert len(case["buckets"]) >= 3  # several buckets: the flags ride in one of them only
-        assert case["reduced"] == _expected_sums(), rank
+        assert case["raised"] == [any(sums) for sums in _expected_sums()], rank
         assert case["reductions"] == STEPS
         assert case["dtype"] == {"mean": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
+        if mode != "in place":
+            assert case["reduced"] == _expected_sums(), rank
+        else:  # one element of the last bucket: finite where nothing was raised
+            assert [math.isfinite(value[0]) for value in case["reduced"]] == [not r for r in case["raised"]]
 
 
 @pytest.mark.distributed
@@ -203,12 +222,13 @@ def _train_with_failure(
     skip: int | None = None,
     failing: tuple[int, ...] = (1,),
     micro_batches: int = 1,
+    in_place: bool = False,
 ) -> dict:
     """SGD with momentum; the ``failing`` ranks fail at ``fail_at`` (``where``), or step ``skip`` is left out on
     every rank. With 2 micro-batches the first runs under ``no_sync()`` and is the one that fails."""
     net = _FailingNet()
     model = DistributedDataParallel(net, bucket_cap_mb=0.0001, gradient_as_bucket_view=as_view)
-    flag = StepFlag(slots=2, process_group=model.process_group)
+    flag = StepFlag(slots=2, process_group=model.process_group, in_place=in_place, divide=not in_place)
     register_flagged_hook(model, flag, "mean")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     generator = torch.Generator().manual_seed(7)
@@ -224,11 +244,14 @@ def _train_with_failure(
             net.fail = where if (rank in failing and step == fail_at and index == 0) else None
             try:
                 with contextlib.nullcontext() if synced else model.no_sync():
-                    model(x).pow(2).mean().backward()
+                    loss = model(x).pow(2).mean()
+                    if in_place:
+                        loss.register_hook(lambda grad: grad * flag.loss_scale)
+                    loss.backward()
             except torch.OutOfMemoryError:
                 issued_at_failure = flag.issued
                 assert flag.finish_failed_step(model, synced=synced)
-        if int(flag.reduced[0]) > 0:  # the test reads it on the host; OOMBackoff will not need to
+        if flag.raised():  # read on the host: on the CPU a memory load
             dropped.append(step)
             continue
         optimizer.step()
@@ -246,6 +269,9 @@ def _failure_cases(rank: int, world_size: int) -> dict:
         for where in ("forward", "backward"):
             for as_view in (False, True):
                 results[(where, fail_at, as_view)] = _train_with_failure(rank, where, fail_at, as_view)
+    for where in ("forward", "backward"):
+        for fail_at in (0, 2):
+            results[("in place", where, fail_at)] = _train_with_failure(rank, where, fail_at, in_place=True)
     results["rank 0 fails"] = _train_with_failure(rank, "backward", 2, failing=(0,))
     results["both fail"] = _train_with_failure(rank, "backward", 2, failing=(0, 1))
     results["accumulation reference"] = _train_with_failure(rank, None, -1, skip=2, micro_batches=2)
@@ -304,6 +330,17 @@ def test_a_rank_that_fails_finishes_the_step_with_zeros_and_every_rank_drops_it(
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("fail_at", [0, 2])
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_failure_is_finished_with_the_bit_carried_in_place(failure_cases, where, fail_at):
+    for rank, results in enumerate(failure_cases):
+        case, reference = results[("in place", where, fail_at)], results[("reference", fail_at)]
+        assert case["dropped"] == [fail_at], rank
+        for ours, theirs in zip(case["params"], reference["params"], strict=True):
+            assert torch.equal(ours, theirs), (rank, where, fail_at)
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", ["rank 0 fails", "both fail"])
 def test_any_rank_or_several_may_fail(failure_cases, case):
     for rank, results in enumerate(failure_cases):
@@ -335,24 +372,30 @@ def test_what_cannot_be_finished_says_so_and_unsupported_options_refuse(failure_
 
 
 def _three_ranks(rank: int, world_size: int) -> dict:
-    reference, ours = _model(as_view=False), _model(as_view=False)
-    flag = StepFlag(slots=2, process_group=ours.process_group)
-    register_flagged_hook(ours, flag, "mean")
-    grads, reduced = [], []
-    for step in range(3):
-        flag.set(0, rank + 1)
-        _step(reference, rank, step)
-        _step(ours, rank, step)
-        grads.append((_grads(reference), _grads(ours)))
-        reduced.append(flag.reduced.tolist())
-    return {"grads": grads, "reduced": reduced}
+    found = {}
+    for in_place in (False, True):
+        reference, ours = _model(as_view=False), _model(as_view=False)
+        flag = StepFlag(slots=2, process_group=ours.process_group, in_place=in_place, divide=not in_place)
+        register_flagged_hook(ours, flag, "mean")
+        grads, reduced = [], []
+        for step in range(3):
+            if not in_place:
+                flag.set(0, rank + 1)
+            _step(reference, rank, step)
+            _step(ours, rank, step, flag)
+            grads.append((_grads(reference), _grads(ours)))
+            reduced.append(flag.reduced.tolist())
+        found[in_place] = {"grads": grads, "reduced": reduced}
+    return found
 
 
 @pytest.mark.distributed
 def test_with_three_ranks_the_gradients_equal_ddps_within_rounding():
-    # a longer last message moves the edges of gloo's ring chunks: a few elements are summed in another order
+    # a longer last message moves the edges of gloo's ring chunks: a few elements are summed in another order; in
+    # place, the loss's gradient scaled by 1/3 rounds differently from each gradient multiplied by 1/3
     for results in run_processes(_three_ranks, 3):
-        assert results["reduced"] == [[6, 0]] * 3
-        for reference, ours in results["grads"]:
-            for theirs, mine in zip(reference, ours, strict=True):
-                torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7)
+        assert results[False]["reduced"] == [[6, 0]] * 3
+        for in_place in (False, True):
+            for reference, ours in results[in_place]["grads"]:
+                for theirs, mine in zip(reference, ours, strict=True):
+                    torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7)
