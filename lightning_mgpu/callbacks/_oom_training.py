@@ -56,7 +56,7 @@ from lightning_mgpu.utilities.step_rollback import StepRollback
 # a local out-of-memory error that a smaller micro-batch may fix
 RECOVERABLE_OOM = -1
 # fatal causes, in rising precedence (the agreement takes the maximum)
-NO_FAILURE, OOM_AT_FLOOR, OPTIMIZER_STEP_OOM, OTHER_ERROR = 0, 1, 2, 3
+NO_FAILURE, OOM_AT_FLOOR, OPTIMIZER_STEP_OOM, AFTER_BACKWARD_FAILURE, OTHER_ERROR = 0, 1, 2, 3, 4
 _NO_PROPOSAL = 2**62
 
 
@@ -159,6 +159,7 @@ class MicroBatchTrainer:
         self.batch_rollback = StepRollback(self.pl_module) if self.sync_bn else None
         self.params: list[Tensor] = []  # listed again at every batch
         self.pending_failure: str | None = None
+        self.pending_kind = OPTIMIZER_STEP_OOM  # what pending_failure is
         self.group: dist.ProcessGroup | None = None
         self.flag_device = torch.device("cpu")
         if self.world_size > 1:
@@ -188,12 +189,14 @@ class MicroBatchTrainer:
         reduce_now = self.ddp is not None and not accumulating
         size = self.policy.start_batch(total)
         first_failure: _LocalFailure | None = None
-        if size >= total and zero_grad_fn is not None and not accumulating and self._flag_carried():
+        # the path is chosen from the policy, which every rank holds alike (not from this rank's batch size)
+        whole = self.policy.micro_batch_size is None
+        if whole and zero_grad_fn is not None and not accumulating and self._flag_carried():
             zero_grad_fn()
             result, first_failure = self._run_whole(loop, kwargs, total, backward_fn)
             if result is not None:
                 self.whole_batches += 1
-                self.policy.batch_succeeded()
+                self._batch_succeeded()
                 return result
             # it failed on some rank: every rank runs the batch again from the agreement, in micro-batches
             pending: list[tuple[Any, int]] = []
@@ -219,7 +222,7 @@ class MicroBatchTrainer:
                 # layers wait for its statistics
                 failure = self._train_pieces(loop, kwargs, pending, total, backward_fn, done)
             if self.pending_failure is not None:
-                failure = _LocalFailure(OPTIMIZER_STEP_OOM, self.pending_failure)
+                failure = _LocalFailure(self.pending_kind, self.pending_failure)
             proposal = _NO_PROPOSAL
             if failure is not None and failure.kind == RECOVERABLE_OOM:
                 smaller = self.policy.smaller_size(size) if splittable else None
@@ -227,9 +230,16 @@ class MicroBatchTrainer:
                     failure.kind = OOM_AT_FLOOR
                 else:
                     proposal = smaller
-            agreed = self._agree(failure, proposal, reduce_now)
+            agreed = self._agree(failure, proposal, reduce_now, total, batch_grads)
             if agreed["fatal_kind"] != NO_FAILURE:
                 self._fail(failure, agreed, size, total)
+            if self.sync_bn and not agreed["same_batch_size"]:
+                raise OOMRecoveryError(
+                    f"{self.owner}: the ranks' batches differ in size (rank {self.rank} has {total} samples) in a model"
+                    " with synchronized BatchNorm: their micro-batches would differ in number, and their BatchNorm"
+                    " collectives could not be matched. Give every rank the same batch size (DistributedSampler"
+                    " does, with drop_last or a dataset that divides evenly)."
+                )
             finished = sum(piece.samples for piece in done)
             if agreed["oom_rank"] is None:
                 if finished < total:  # the whole-batch attempt failed for a reason every rank has put behind it
@@ -248,9 +258,7 @@ class MicroBatchTrainer:
                 finished = 0
             pending = split_batch(slice_batch(batch, finished, total), size) if finished < total else []
 
-        probed = self.policy.batch_succeeded()
-        if probed is not None:
-            self.reporter.report_probe_success(probed)
+        self._batch_succeeded(agreed["whole_everywhere"])
         _merge_stashed_grads(self.params, batch_grads)
         logs = [call for piece in done for call in piece.logs]
         replay_logs(self.pl_module, logs, "training_step")
@@ -266,6 +274,11 @@ class MicroBatchTrainer:
             # the buffers from rank 0
             self.ddp.require_forward_param_sync = True
         return self._closure_result(done)
+
+    def _batch_succeeded(self, whole_everywhere: bool = True) -> None:
+        probed = self.policy.batch_succeeded(back_to_whole=whole_everywhere)
+        if probed is not None:
+            self.reporter.report_probe_success(probed)
 
     # ------------------------------------------------------------------------------------ the whole-batch path
     def _flag_carried(self) -> bool:
@@ -289,6 +302,8 @@ class MicroBatchTrainer:
         batch must run again in micro-batches, on every rank.
         """
         ddp, flag = self.ddp, self.flag
+        if flag is not None:
+            flag.issued, flag.in_pass = 0, False  # set again once DDP's forward starts: what a failure reached
         if ddp is not None and flag is not None and self.pending_failure is not None:
             flag.set(0, 1)  # an optimizer step that failed earlier on this rank: stop everywhere, at this step
         reductions = flag.reductions if flag is not None else 0
@@ -310,27 +325,44 @@ class MicroBatchTrainer:
         else:
             if failure.kind == RECOVERABLE_OOM:
                 release_memory()  # outside the except block: the failed attempt's frames are gone
-            replay = self._replay_pass(kwargs) if self.sync_bn else None
-            if ddp is not None and flag is not None and not self._finish_failed_step(ddp, flag, replay):
-                # before DDP's forward, or after the last gradient bucket went: the other ranks cannot be told in
-                # this step. Stop here; they stop at their next collective (the strategy's hang watchdog, or the
-                # process group's timeout, ends a wait for this rank)
-                if failure.error is not None:
-                    raise failure.error
-                raise OOMRecoveryError(
-                    f"{self.owner}: rank {self.rank} ran out of memory where the other ranks cannot be told within the"
-                    " step (before the model's forward, or after its gradients were all reduced):"
-                    f" {failure.description}"
-                )
+            if ddp is not None and flag is not None and not self._finish_failed_step(ddp, flag, failure, kwargs):
+                if flag.issued and self.world_size > 1:
+                    # after the last gradient bucket went (in an on_after_backward hook, say): every rank holds
+                    # the step's averaged gradients and steps with them; the next step's flag stops every rank
+                    self.pending_kind = AFTER_BACKWARD_FAILURE
+                    self.pending_failure = (
+                        f"{self.owner}: rank {self.rank} failed after its gradients were reduced, in a hook after"
+                        f" the backward: {failure.description}"
+                    )
+                    return ClosureResult(None, extra={}), None
+                if self.world_size > 1:
+                    # before DDP's forward started: the other ranks cannot be told in this step. They stop at their
+                    # next collective (the strategy's hang watchdog, or the process group's timeout)
+                    if failure.error is not None:
+                        raise failure.error
+                    raise OOMRecoveryError(
+                        f"{self.owner}: rank {self.rank} ran out of memory before the model's forward started, where"
+                        f" the other ranks cannot be told within the step: {failure.description}"
+                    )
         # the step failed on some rank: no rank steps on it. Undo what the attempt changed, on every rank
         self.rollback.restore()
         for param in self.params:
             param.grad = None
         return None, failure
 
-    def _finish_failed_step(self, ddp: DistributedDataParallel, flag: StepFlag, replay: Any) -> bool:
-        with PASS_LEDGER.replaying():
-            return flag.finish_failed_step(ddp, replay=replay)
+    def _finish_failed_step(
+        self, ddp: DistributedDataParallel, flag: StepFlag, failure: _LocalFailure, kwargs: OrderedDict
+    ) -> bool:
+        replay = self._replay_pass(kwargs) if self.sync_bn else None
+        try:
+            with PASS_LEDGER.replaying():
+                return flag.finish_failed_step(ddp, replay=replay)
+        except Exception:
+            # the replay of training_step failed too (the same error again, most likely): the other ranks are left
+            # in their BatchNorm collectives, and stop at the strategy's hang watchdog or the group's timeout
+            if failure.error is not None:
+                raise failure.error from None
+            raise
 
     def _replay_pass(self, kwargs: OrderedDict) -> Any:
         """A function that runs the training step again on the batch's first sample, for its collectives only.
@@ -427,26 +459,43 @@ class MicroBatchTrainer:
         return None
 
     # ------------------------------------------------------------------------------------------ agreement
-    def _agree(self, failure: _LocalFailure | None, proposal: int, with_grad_mask: bool) -> dict[str, Any]:
+    def _agree(
+        self,
+        failure: _LocalFailure | None,
+        proposal: int,
+        with_grad_mask: bool,
+        total: int,
+        stashed: list[Tensor | None] | None = None,
+    ) -> dict[str, Any]:
         oom = failure is not None and failure.kind == RECOVERABLE_OOM
         fatal = failure is not None and failure.kind != RECOVERABLE_OOM
+        policy = self.policy
+        # whether a probe that succeeds may take this rank back to whole batches: only when every rank's may
+        probe_reaches_whole = policy.probe_size is not None and policy.probe_size >= total
         header = [
             failure.kind if fatal else NO_FAILURE,
             self.rank + 1 if fatal else 0,
             self.rank + 1 if oom else 0,
             -proposal,
+            0 if probe_reaches_whole else 1,
+            total,
+            -total,
         ]
         mask = [p.grad is not None for p in self.params] if with_grad_mask else []
+        if mask and stashed is not None:  # the window's earlier batches' gradients, set aside meanwhile
+            mask = [m or old is not None for m, old in zip(mask, stashed, strict=True)]
         if self.world_size > 1:
             vector = torch.tensor(header + [int(m) for m in mask], dtype=torch.int64, device=self.flag_device)
             dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=self.group)
             values = vector.tolist()
-            header, mask = values[:4], [bool(v) for v in values[4:]]
+            header, mask = values[: len(header)], [bool(v) for v in values[len(header) :]]
         return {
             "fatal_kind": header[0],
             "fatal_rank": header[1] - 1,
             "oom_rank": header[2] - 1 if header[2] else None,
             "size": -header[3],
+            "whole_everywhere": header[4] == 0,
+            "same_batch_size": header[5] == -header[6],
             "has_grad": mask,
         }
 
@@ -456,12 +505,13 @@ class MicroBatchTrainer:
             raise failure.error
         if failure is not None and failure.kind == OOM_AT_FLOOR:
             raise OOMRecoveryError(self.reporter.floor_message(self.rank, size, total, failure.description))
-        if failure is not None and failure.kind == OPTIMIZER_STEP_OOM:
+        if failure is not None and failure.kind in (OPTIMIZER_STEP_OOM, AFTER_BACKWARD_FAILURE):
             raise OOMRecoveryError(failure.description)
         rank, kind = agreed["fatal_rank"], agreed["fatal_kind"]
         reason = {
             OOM_AT_FLOOR: "ran out of memory at the smallest micro-batch size",
             OPTIMIZER_STEP_OOM: "ran out of memory inside the optimizer step",
+            AFTER_BACKWARD_FAILURE: "failed in a hook after the backward, its gradients reduced",
             OTHER_ERROR: "raised an error that is not an out-of-memory error (see that rank's traceback)",
         }[kind]
         raise OOMRecoveryError(f"{self.owner}: rank {rank} {reason}; every rank stops.")

@@ -59,25 +59,33 @@ class OOMBackoff(Callback):
     Every rank adopts the same smaller micro-batch. A rank whose own attempt succeeded keeps it (with synchronized
     BatchNorm every rank starts the batch over, so that all run the same micro-batches). Where the flag cannot ride
     (PowerSGD, a Lightning ``ddp_comm_hook``, ``find_unused_parameters``, ``static_graph``) every batch takes the
-    micro-batch path, without DDP's overlap and communication hooks (a warning says so if a hook is registered).
+    micro-batch path, without DDP's overlap and communication hooks (a warning says so if a hook is registered; an
+    fp16/bf16 reduction that carries the flag is likewise bypassed after a backoff, and gradients are then averaged
+    in full precision).
 
     **What cannot be recovered fails on every rank at once.** An OOM at ``min_micro_batch_size`` (or on a batch
     with no tensor to split) raises :class:`OOMRecoveryError` with a memory summary. An OOM inside
     ``optimizer.step`` (some ranks may have updated their parameters, others not) raises
     :class:`OOMRecoveryError` on every rank at the next point where they all meet: the next batch, the start of
     validation, a checkpoint save (so nothing inconsistent is written) or the end of training. Until then the rank
-    that failed follows the others' control flow exactly, so their collectives keep matching. An error that is not
-    an OOM is re-raised on its rank and the other ranks stop with :class:`OOMRecoveryError`, instead of waiting out
-    the collective timeout.
+    that failed follows the others' control flow exactly, so their collectives keep matching (an error in a hook
+    after the backward, once every gradient bucket was sent, is handled the same way). An error that is not an OOM
+    is re-raised on its rank and the other ranks stop with :class:`OOMRecoveryError`, instead of waiting out the
+    collective timeout. Two cases end with the other ranks stopped by the strategy's hang watchdog (or the process
+    group's timeout) instead: an error before DDP's forward started, and, with synchronized BatchNorm, an error
+    that its one-sample replay of ``training_step`` raises again.
 
     **Memory:** while a batch accumulates over several micro-batches (and on the later batches of an
     ``accumulate_grad_batches`` window) the gradients gathered so far are set aside during each backward, so that
-    a backward that fails half-way can be undone: gradient memory is twice the parameters' for that time.
+    a backward that fails half-way can be undone: gradient memory is twice the parameters' for that time (three
+    times on the later batches of a window with synchronized BatchNorm, whose batch's own gradients are kept apart
+    too, so every rank can start the batch over).
 
     **Side effects of a failed attempt are undone**: BatchNorm running statistics and the states of torchmetrics
     metrics that are submodules are restored, and ``self.log`` calls are held back and logged once per batch (a
     mean weighted by the micro-batches' samples; ``reduce_fx`` ``"sum"``/``"max"``/``"min"`` honoured). State kept
-    elsewhere (a Python counter) sees the failed attempt's samples again on the rank that ran out of memory.
+    elsewhere (a Python counter) sees the failed attempt's samples again: on the rank that ran out of memory, and,
+    after a failure on the whole-batch path, on every rank (each runs the batch again).
 
     **Validation, test, predict**: an OOM splits the batch; the outputs are concatenated (scalars averaged by
     samples) and the logged values combined, so metrics and predictions are unchanged. The evaluation micro-batch

@@ -90,12 +90,17 @@ class MicroBatchSizePolicy:
         self.good_batches = 0
         self.micro_batch_size = size
 
-    def batch_succeeded(self) -> int | None:
-        """Record a training batch that finished; returns the probe's size if it was a probe that succeeded."""
+    def batch_succeeded(self, back_to_whole: bool = True) -> int | None:
+        """Record a training batch that finished; returns the probe's size if it was a probe that succeeded.
+
+        Args:
+            back_to_whole: whether a probe that took the whole batch returns to whole batches; under several
+                processes, only when it did so on every rank (so that every rank takes the same path next).
+        """
         probe = self.probe_size
         self.probe_size = None
         if probe is not None:
-            self.micro_batch_size = None if probe >= self.last_batch_size else probe
+            self.micro_batch_size = None if probe >= self.last_batch_size and back_to_whole else probe
             self.good_batches = 0
             return probe
         if self.micro_batch_size is not None:

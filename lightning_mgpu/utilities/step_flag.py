@@ -241,8 +241,6 @@ def flagged_hook(name: FlaggedHookName) -> Callable[[StepFlag, dist.GradBucket],
         buffer = bucket.buffer()
         last = bucket.is_last()
         index = bucket.index()
-        flag.issued = index + 1
-        flag.in_pass = not last
         if flag._replay_from is not None:
             if index < flag._replay_from:  # this rank sent it before its step failed
                 done: torch.futures.Future[Tensor] = torch.futures.Future()
@@ -270,6 +268,9 @@ def flagged_hook(name: FlaggedHookName) -> Callable[[StepFlag, dist.GradBucket],
             if last:
                 _write_contributions(sent[size:], flag._take())
         future = dist.all_reduce(sent, group=group, async_op=True).get_future()
+        # counted once handed over: an allocation above that failed sent nothing, and the replay sends this bucket
+        flag.issued = index + 1
+        flag.in_pass = not last
 
         def unpack(done: torch.futures.Future) -> Tensor:
             reduced = done.value()[0]

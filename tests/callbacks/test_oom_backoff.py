@@ -1,6 +1,7 @@
 """OOMBackoff on one process: out-of-memory errors injected for real (the exception type and message a CUDA
 allocation failure has), the trajectory compared with runs that never ran out of memory."""
 
+import logging
 import re
 
 import pytest
@@ -142,11 +143,13 @@ def test_keep_effective_batch_false_shrinks_the_loader_batch_from_the_next_epoch
     assert backoff.recoveries == 1
 
 
-def test_probe_up_returns_to_the_whole_batch_once_memory_allows(tmp_path):
+def test_probe_up_returns_to_the_whole_batch_once_memory_allows(tmp_path, caplog):
     # out of memory above 4 samples until step 3; probing after 2 good batches: the probe at step 2 fails (the
     # wait doubles to 4), the probe at step 6 succeeds and the micro-batch becomes the whole batch again
     backoff = OOMBackoff(probe_up_after=2)
-    model, _ = fit(tmp_path, [backoff], oom_above=4, oom_until_step=3, max_epochs=3)
+    with caplog.at_level(logging.INFO):
+        model, _ = fit(tmp_path, [backoff], oom_above=4, oom_until_step=3, max_epochs=3)
+    assert "probed the micro-batch size up to 8 without running out of memory" in caplog.text
     reference, _ = fit(tmp_path, max_epochs=3)
     assert backoff.recoveries == 1
     assert backoff.micro_batch_size is None

@@ -175,3 +175,48 @@ def test_an_oom_in_the_optimizer_step_with_synchronised_batchnorm_stops_both(tmp
     assert result["seconds"] < 60, "the ranks waited for a collective timeout instead of stopping together"
     assert [d["exception"]["type"] for d in dumps] == ["OOMRecoveryError", "OOMRecoveryError"]
     assert "rank 1 ran out of memory inside the optimizer step; every rank stops" in dumps[0]["exception"]["message"]
+
+
+@pytest.mark.distributed
+def test_ranks_with_batches_of_different_sizes_take_the_same_path_after_a_backoff(tmp_path):
+    # rank 1's second batch holds 4 samples, no more than the micro-batch size: it still runs on the micro-batch path
+    # with rank 0, whose batch of 8 is split (a path chosen from the batch size would mismatch the collectives)
+    result, dumps = run_fit(tmp_path, "--inject", "forward", "--rank", 1, "--model", "uneven")
+    assert result["rc"] == 0, result["output"][-3000:]
+    assert [d["recoveries"] for d in dumps] == [1, 1]
+    assert_params_close(dumps[0]["params"], dumps[1]["params"], atol=0)
+
+
+@pytest.mark.distributed
+def test_synchronised_batchnorm_with_batches_of_different_sizes_stops_every_rank_with_a_reason(tmp_path):
+    result, dumps = run_fit(tmp_path, "--inject", "forward", "--rank", 1, "--model", "uneven", "--sync-bn")
+    assert result["rc"] != 0
+    assert [d["exception"]["type"] for d in dumps] == ["OOMRecoveryError", "OOMRecoveryError"]
+    assert all("the ranks' batches differ in size" in d["exception"]["message"] for d in dumps)
+
+
+@pytest.mark.distributed
+def test_synchronised_batchnorm_in_an_accumulation_window_averages_every_gradient(tmp_path):
+    # a layer the window's first batch uses and its last does not: its gradient, set aside while the last batch
+    # runs, is averaged too (no OOM here: the window's last batch runs on the micro-batch path; stock DDP needs
+    # find_unused_parameters for this model, which keeps OOMBackoff on that path for every batch)
+    args = ("--inject", "none", "--model", "branchy", "--sync-bn", "--accumulate", 2, "--find-unused")
+    result, dumps = run_fit(tmp_path / "backoff", *args)
+    assert result["rc"] == 0, result["output"][-3000:]
+    result, stock = run_fit(tmp_path / "stock", *args, "--no-backoff")
+    assert result["rc"] == 0, result["output"][-3000:]
+    assert_params_close(dumps[0]["params"], dumps[1]["params"], atol=0)
+    assert_params_close(dumps[0]["params"], stock[0]["params"], atol=1e-6)
+
+
+@pytest.mark.distributed
+def test_an_oom_after_the_last_bucket_went_stops_both_at_the_next_step(tmp_path):
+    # rank 1 fails in on_after_backward: every rank has the step's averaged gradients and steps; the next step's
+    # flag stops both, before anything else runs
+    result, dumps = run_fit(tmp_path, "--inject", "none", "--model", "after-backward", timeout=120)
+    assert result["rc"] != 0
+    assert result["seconds"] < 60
+    assert [d["exception"]["type"] for d in dumps] == ["OOMRecoveryError", "OOMRecoveryError"]
+    assert "rank 1 failed in a hook after the backward" in dumps[0]["exception"]["message"]
+    assert "CUDA out of memory" in dumps[1]["exception"]["message"]
+    assert [d["global_step"] for d in dumps] == [2, 2]

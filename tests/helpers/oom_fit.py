@@ -19,11 +19,43 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 from lightning.pytorch import Callback, Trainer
+from torch import nn
 from torch.profiler import ProfilerActivity, profile
+from torch.utils.data import DataLoader, Subset
 
 from lightning_mgpu import MultiGPUStrategy, OOMBackoff
-from tests.helpers.oom_models import IndexedRegression
+from tests.helpers.oom_models import IndexedData, IndexedRegression, raise_oom
 from tests.helpers.trainer import QUIET
+
+
+class UnevenRanks(IndexedRegression):
+    """Rank 1 holds 12 samples (batches of 8 and 4), rank 0 16: the loader is not split by a DistributedSampler."""
+
+    def train_dataloader(self) -> DataLoader:
+        indices = list(range(16)) if self.global_rank == 0 else list(range(16, 28))
+        return DataLoader(Subset(IndexedData(self.num_samples), indices), batch_size=self.batch_size, shuffle=False)
+
+
+class Branchy(IndexedRegression):
+    """An extra layer used on even batch indices only: in a window of 2 batches, by the first batch alone."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.extra = nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if batch_idx % 2 == 0:
+            loss = loss + self.extra(batch[1]).pow(2).mean()
+        return loss
+
+
+class FailsAfterBackward(IndexedRegression):
+    """Rank 1 runs out of memory in ``on_after_backward`` at step 1, once every gradient bucket was reduced."""
+
+    def on_after_backward(self) -> None:
+        if self.global_rank == 1 and self.trainer.global_step == 1:
+            raise_oom()
 
 
 class SaveRankState(Callback):
@@ -86,10 +118,18 @@ def main() -> None:
     parser.add_argument("--step-oom-at", type=int, default=3)
     parser.add_argument("--max-steps", type=int, default=-1)
     parser.add_argument("--sync-bn", action="store_true", help="a BatchNorm layer, synchronised across the ranks")
+    parser.add_argument("--find-unused", action="store_true", help="DDP's find_unused_parameters")
+    parser.add_argument("--model", choices=["plain", "uneven", "branchy", "after-backward"], default="plain")
     parser.add_argument("--profile-step", type=int, help="count the gloo collectives of this optimizer step")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    model = IndexedRegression(
+    model_class = {
+        "plain": IndexedRegression,
+        "uneven": UnevenRanks,
+        "branchy": Branchy,
+        "after-backward": FailsAfterBackward,
+    }[args.model]
+    model = model_class(
         num_samples=32,
         batch_size=args.batch_size,
         oom_above=4 if args.inject in ("forward", "backward") else None,
@@ -104,11 +144,12 @@ def main() -> None:
     trainer = Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=MultiGPUStrategy(mode="ddp", sync_batchnorm=args.sync_bn),
+        strategy=MultiGPUStrategy(mode="ddp", sync_batchnorm=args.sync_bn, find_unused_parameters=args.find_unused),
         max_epochs=2,
         max_steps=args.max_steps,
         accumulate_grad_batches=args.accumulate,
         limit_val_batches=0,
+        use_distributed_sampler=args.model != "uneven",
         callbacks=callbacks,
         **QUIET,
     )

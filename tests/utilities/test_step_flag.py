@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
 
 from lightning_mgpu.utilities.comm_hooks import register_comm_hook
+from lightning_mgpu.utilities.oom import is_out_of_memory
 from lightning_mgpu.utilities.step_flag import FLAGGED_HOOK_NAMES, StepFlag, register_flagged_hook
 from tests.helpers.oom_models import _OOMInBackward, raise_oom
 from tests.helpers.processes import run_processes
@@ -223,13 +224,26 @@ def _train_with_failure(
     failing: tuple[int, ...] = (1,),
     micro_batches: int = 1,
     in_place: bool = False,
+    hook_fails: bool = False,
 ) -> dict:
     """SGD with momentum; the ``failing`` ranks fail at ``fail_at`` (``where``), or step ``skip`` is left out on
     every rank. With 2 micro-batches the first runs under ``no_sync()`` and is the one that fails."""
     net = _FailingNet()
     model = DistributedDataParallel(net, bucket_cap_mb=0.0001, gradient_as_bucket_view=as_view)
     flag = StepFlag(slots=2, process_group=model.process_group, in_place=in_place, divide=not in_place)
-    register_flagged_hook(model, flag, "mean")
+    armed = {"on": False}
+
+    def failing_at_bucket_1(hook: Any) -> Any:
+        # an allocation in the hook (a bucket-sized buffer) failing before its all-reduce went out
+        def wrapped(state: StepFlag, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+            if armed["on"] and bucket.index() == 1:
+                armed["on"] = False
+                raise_oom()
+            return hook(state, bucket)
+
+        return wrapped
+
+    register_flagged_hook(model, flag, "mean", wrap=failing_at_bucket_1 if hook_fails else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     generator = torch.Generator().manual_seed(7)
     batches = [torch.randn(16, WIDTH, generator=generator) for _ in range(FAILURE_STEPS)]
@@ -241,14 +255,18 @@ def _train_with_failure(
         pieces = batches[step][rank * 8 : (rank + 1) * 8].chunk(micro_batches)
         for index, x in enumerate(pieces):
             synced = index == len(pieces) - 1
-            net.fail = where if (rank in failing and step == fail_at and index == 0) else None
+            failing_now = rank in failing and step == fail_at and index == 0
+            net.fail = where if failing_now and not hook_fails else None
+            armed["on"] = failing_now and hook_fails
             try:
                 with contextlib.nullcontext() if synced else model.no_sync():
                     loss = model(x).pow(2).mean()
                     if in_place:
                         loss.register_hook(lambda grad: grad * flag.loss_scale)
                     loss.backward()
-            except torch.OutOfMemoryError:
+            except Exception as err:
+                if not is_out_of_memory(err):  # raised in the hook, it may reach here wrapped
+                    raise
                 issued_at_failure = flag.issued
                 assert flag.finish_failed_step(model, synced=synced)
         if flag.raised():  # read on the host: on the CPU a memory load
@@ -272,6 +290,7 @@ def _failure_cases(rank: int, world_size: int) -> dict:
     for where in ("forward", "backward"):
         for fail_at in (0, 2):
             results[("in place", where, fail_at)] = _train_with_failure(rank, where, fail_at, in_place=True)
+    results["hook fails"] = _train_with_failure(rank, None, 2, hook_fails=True)
     results["rank 0 fails"] = _train_with_failure(rank, "backward", 2, failing=(0,))
     results["both fail"] = _train_with_failure(rank, "backward", 2, failing=(0, 1))
     results["accumulation reference"] = _train_with_failure(rank, None, -1, skip=2, micro_batches=2)
@@ -338,6 +357,17 @@ def test_a_failure_is_finished_with_the_bit_carried_in_place(failure_cases, wher
         assert case["dropped"] == [fail_at], rank
         for ours, theirs in zip(case["params"], reference["params"], strict=True):
             assert torch.equal(ours, theirs), (rank, where, fail_at)
+
+
+@pytest.mark.distributed
+def test_a_failure_in_the_hook_before_its_all_reduce_is_replayed_from_that_bucket(failure_cases):
+    # the bucket whose hook raised was never sent: it is not counted as issued, so the replay sends it (as zeros)
+    assert failure_cases[1]["hook fails"]["issued_at_failure"] == 1
+    for rank, results in enumerate(failure_cases):
+        case, reference = results["hook fails"], results[("reference", 2)]
+        assert case["dropped"] == [2], rank
+        for ours, theirs in zip(case["params"], reference["params"], strict=True):
+            assert torch.equal(ours, theirs), rank
 
 
 @pytest.mark.distributed
