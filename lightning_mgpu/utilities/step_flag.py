@@ -131,6 +131,15 @@ class StepFlag:
             return ~torch.isfinite(reduced[0])
         return (reduced != 0).any()
 
+    def raised_on_host(self) -> bool:
+        """:meth:`raised`, read on the host: a memory load on the CPU, a wait for the reduction on a GPU."""
+        reduced = self.reduced
+        if reduced is None:
+            return False
+        if self._carried_in_place:
+            return not math.isfinite(reduced.item())
+        return any(reduced.tolist())
+
     @property
     def pending(self) -> tuple[int, ...]:
         """This rank's contributions to the next reduction."""

@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_mgpu import OOMBackoff, OOMRecoveryError
+from lightning_mgpu import MultiGPUStrategy, OOMBackoff, OOMRecoveryError
 from tests.helpers.oom_models import IndexedData, IndexedRegression
 from tests.helpers.trainer import QUIET, RecordingLogger
 
@@ -22,12 +22,14 @@ def fit(
     logger=None,
     limit_val_batches=0,
     model_class=IndexedRegression,
+    strategy="auto",
     **model_kwargs,
 ):
     model = model_class(**model_kwargs)
     kwargs = dict(QUIET)
     if logger is not None:
         kwargs["logger"] = logger
+    kwargs["strategy"] = strategy
     trainer = Trainer(
         accelerator="cpu",
         max_epochs=max_epochs,
@@ -45,6 +47,20 @@ def fit(
 def max_difference(a, b) -> float:
     b_params = dict(b.named_parameters())
     return max((p - b_params[name]).abs().max().item() for name, p in a.named_parameters())
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_one_process_under_a_ddp_wrap_finishes_the_failed_reduction_and_recovers(tmp_path, where):
+    # DDP's reducer refuses a step after a backward that did not finish its reduction: the flag's replay finishes it
+    backoff = OOMBackoff()
+    strategy = MultiGPUStrategy(mode="ddp")
+    model, trainer = fit(tmp_path, [backoff], oom_above=4, oom_in=where, oom_from_batch=1, strategy=strategy)
+    # the same strategy, so the same DistributedSampler order: micro-batches of 4 from the start
+    reference, _ = fit(tmp_path, accumulate=2, batch_size=4, strategy=MultiGPUStrategy(mode="ddp"))
+    assert trainer.strategy.choice.mode == "ddp"
+    assert backoff.recoveries == 1 and backoff.micro_batch_size == 4
+    assert max_difference(model, reference) < 1e-5
+    assert model.epoch_indices == [list(range(32))] * 2
 
 
 def test_forward_oom_keeps_the_trajectory_of_accumulation_and_of_the_full_batch(tmp_path):

@@ -6,7 +6,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_mgpu import OOMBackoff
+from lightning_mgpu import MultiGPUStrategy, OOMBackoff
 from tests.helpers.runif import run_if
 from tests.helpers.trainer import QUIET
 
@@ -66,3 +66,32 @@ def test_a_real_cuda_oom_is_recovered_and_training_finishes(tmp_path):
         f" micro_batch_size={backoff.micro_batch_size} recoveries={backoff.recoveries}"
         f" max_allocated={torch.cuda.max_memory_allocated(0) / 2**30:.2f} GiB"
     )
+
+
+@run_if(min_cuda_gpus=1)
+def test_a_real_cuda_oom_under_a_ddp_wrap_is_finished_and_recovered(tmp_path):
+    # one NCCL process, the model wrapped in DDP with the step flag in its reduction: the failed backward's
+    # reduction is finished with zeros (DDP's reducer would refuse the next step otherwise), then micro-batches
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    params = (256 * WIDTH + WIDTH * WIDTH + WIDTH) * 4 * 4  # weights, grads, DDP's buckets and slack
+    budget = params + int(0.75 * activation_bytes(BATCH))
+    torch.cuda.set_per_process_memory_fraction(min(0.95, budget / total), 0)
+    try:
+        backoff = OOMBackoff()
+        trainer = Trainer(
+            accelerator="cuda",
+            devices=1,
+            strategy=MultiGPUStrategy(mode="ddp"),
+            max_epochs=1,
+            callbacks=[backoff],
+            default_root_dir=tmp_path,
+            **QUIET,
+        )
+        trainer.fit(WideActivations())
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+    assert trainer.strategy.step_flag_registered is False  # released at teardown
+    assert backoff.recoveries >= 1
+    assert backoff.micro_batch_size is not None and backoff.micro_batch_size < BATCH
+    assert trainer.global_step == 4

@@ -96,6 +96,7 @@ def _flag_cases(rank: int, world_size: int) -> dict[str, Any]:
                 same.append(all(torch.equal(a, b) for a, b in zip(_grads(reference), _grads(ours), strict=True)))
                 reduced.append(flag.reduced.tolist())
                 raised.append(bool(flag.raised()))
+                assert flag.raised_on_host() == raised[-1]
                 assert flag.pending == (0, 0)  # taken by the last bucket
             results[f"{name}-{mode}-{as_view}"] = {
                 "same": same,
