@@ -107,12 +107,17 @@ class _LocalFailure:
 
 
 def _step_and_backward(
-    loop: "BackoffOptimization", kwargs: OrderedDict, backward_fn: Any, weight: float, grad_scale: float = 1.0
+    loop: "BackoffOptimization",
+    kwargs: OrderedDict,
+    backward_fn: Any,
+    weight: float,
+    grad_scale: float = 1.0,
+    losses: list[Tensor] | None = None,
 ) -> tuple[Tensor | None, dict[str, Any]]:
     """Run Lightning's training step on ``kwargs`` and the backward of its loss times ``weight``.
 
     ``grad_scale`` multiplies the gradient the backward starts from, not the loss the hooks and loggers see (the
-    step flag's hooks leave the division by the world size to it).
+    step flag's hooks leave the division by the world size to it). ``losses`` receives the loss before the backward.
 
     Returns the weighted loss, detached, and the step's other outputs.
     """
@@ -122,6 +127,8 @@ def _step_and_backward(
         loss = loss * weight
     if loss is not None and grad_scale != 1.0 and loss.requires_grad:
         loss.register_hook(lambda grad: grad * grad_scale)
+    if loss is not None and losses is not None:
+        losses.append(loss.detach())  # known before the backward, which may fail
     if loss is not None and backward_fn is not None:
         backward_fn(loss)
     return (loss.detach() if loss is not None else None), output.extra
@@ -160,6 +167,7 @@ class MicroBatchTrainer:
         self.params: list[Tensor] = []  # listed again at every batch
         self.pending_failure: str | None = None
         self.pending_kind = OPTIMIZER_STEP_OOM  # what pending_failure is
+        self.pending_error: BaseException | None = None  # an error that is not an OOM, raised again at the stop
         self.group: dist.ProcessGroup | None = None
         self.flag_device = torch.device("cpu")
         if self.world_size > 1:
@@ -196,7 +204,7 @@ class MicroBatchTrainer:
             result, first_failure = self._run_whole(loop, kwargs, total, backward_fn)
             if result is not None:
                 self.whole_batches += 1
-                self._batch_succeeded()
+                self._batch_succeeded(whole_everywhere=True)
                 return result
             # it failed on some rank: every rank runs the batch again from the agreement, in micro-batches
             pending: list[tuple[Any, int]] = []
@@ -222,7 +230,7 @@ class MicroBatchTrainer:
                 # layers wait for its statistics
                 failure = self._train_pieces(loop, kwargs, pending, total, backward_fn, done)
             if self.pending_failure is not None:
-                failure = _LocalFailure(self.pending_kind, self.pending_failure)
+                failure = _LocalFailure(self.pending_kind, self.pending_failure, self.pending_error)
             proposal = _NO_PROPOSAL
             if failure is not None and failure.kind == RECOVERABLE_OOM:
                 smaller = self.policy.smaller_size(size) if splittable else None
@@ -233,7 +241,7 @@ class MicroBatchTrainer:
             agreed = self._agree(failure, proposal, reduce_now, total, batch_grads)
             if agreed["fatal_kind"] != NO_FAILURE:
                 self._fail(failure, agreed, size, total)
-            if self.sync_bn and not agreed["same_batch_size"]:
+            if self.sync_bn and self.policy.micro_batch_size is not None and not agreed["same_batch_size"]:
                 raise OOMRecoveryError(
                     f"{self.owner}: the ranks' batches differ in size (rank {self.rank} has {total} samples) in a model"
                     " with synchronized BatchNorm: their micro-batches would differ in number, and their BatchNorm"
@@ -275,8 +283,10 @@ class MicroBatchTrainer:
             self.ddp.require_forward_param_sync = True
         return self._closure_result(done)
 
-    def _batch_succeeded(self, whole_everywhere: bool = True) -> None:
+    def _batch_succeeded(self, whole_everywhere: bool = False) -> None:
         probed = self.policy.batch_succeeded(back_to_whole=whole_everywhere)
+        if whole_everywhere:
+            self.policy.micro_batch_size = None  # every rank at once, the ranks that did not probe too
         if probed is not None:
             self.reporter.report_probe_success(probed)
 
@@ -307,15 +317,38 @@ class MicroBatchTrainer:
         if ddp is not None and flag is not None and self.pending_failure is not None:
             flag.set(0, 1)  # an optimizer step that failed earlier on this rank: stop everywhere, at this step
         reductions = flag.reductions if flag is not None else 0
-        grad_scale = flag.loss_scale if ddp is not None and flag is not None else 1.0
+        grad_scale = 1.0
+        if ddp is not None and flag is not None and not any(p.dtype == torch.float16 for p in self.params):
+            # this backward's loss gradient is scaled, so the hook need not divide (any other backward through the
+            # model, a learning-rate finder's say, keeps the hook's division); not for float16 parameters, whose
+            # gradients would underflow sooner divided first
+            flag.divide = False
+            grad_scale = flag.loss_scale
+        try:
+            return self._run_whole_scaled(loop, kwargs, total, backward_fn, reductions, grad_scale)
+        finally:
+            if flag is not None:
+                flag.divide = True
+
+    def _run_whole_scaled(
+        self,
+        loop: "BackoffOptimization",
+        kwargs: OrderedDict,
+        total: int,
+        backward_fn: Any,
+        reductions: int,
+        grad_scale: float,
+    ) -> tuple[ClosureResult | None, _LocalFailure | None]:
+        ddp, flag = self.ddp, self.flag
         self.rollback.save()  # a few small copies (normalization statistics, metric states) a failure would need
         PASS_LEDGER.start_pass()
         allocated_before = torch.cuda.memory_allocated() if torch.cuda.is_initialized() else 0
         logs: list[LogCall] = []
         failure = None
+        losses: list[Tensor] = []
         try:
             with capture_logs(self.pl_module, logs, total):  # a synchronised self.log is a collective: held back
-                detached, extra = _step_and_backward(loop, kwargs, backward_fn, 1.0, grad_scale)
+                detached, extra = _step_and_backward(loop, kwargs, backward_fn, 1.0, grad_scale, losses)
         except Exception as err:
             failure = _LocalFailure.of(err)
         if failure is None:
@@ -327,19 +360,22 @@ class MicroBatchTrainer:
                 return ClosureResult(detached, extra=extra), None
         else:
             if failure.kind == RECOVERABLE_OOM:
+                for param in self.params:  # the partial gradients go too (the step's zero_grad had set them aside)
+                    param.grad = None
                 # outside the except block: the failed attempt's frames are gone; a full garbage collection (about
                 # 200 ms) only if CUDA still holds more than before the attempt
                 release_memory(allocated_before)
             if ddp is not None and flag is not None and not self._finish_failed_step(ddp, flag, failure, kwargs):
-                if flag.issued and self.world_size > 1:
-                    # after the last gradient bucket went (in an on_after_backward hook, say): every rank holds
+                if flag.issued and flag.reductions > reductions and self.world_size > 1 and losses:
+                    # after the step's reduction finished (in an on_after_backward hook, say): every rank holds
                     # the step's averaged gradients and steps with them; the next step's flag stops every rank
-                    self.pending_kind = AFTER_BACKWARD_FAILURE
+                    self.pending_kind, self.pending_error = AFTER_BACKWARD_FAILURE, failure.error
                     self.pending_failure = (
                         f"{self.owner}: rank {self.rank} failed after its gradients were reduced, in a hook after"
                         f" the backward: {failure.description}"
                     )
-                    return ClosureResult(None, extra={}), None
+                    replay_logs(self.pl_module, logs, "training_step")  # the others log (and sync) theirs
+                    return ClosureResult(losses[0], extra={}), None
                 if self.world_size > 1:
                     # before DDP's forward started: the other ranks cannot be told in this step. They stop at their
                     # next collective (the strategy's hang watchdog, or the process group's timeout)
@@ -475,14 +511,17 @@ class MicroBatchTrainer:
         oom = failure is not None and failure.kind == RECOVERABLE_OOM
         fatal = failure is not None and failure.kind != RECOVERABLE_OOM
         policy = self.policy
-        # whether a probe that succeeds may take this rank back to whole batches: only when every rank's may
-        probe_reaches_whole = policy.probe_size is not None and policy.probe_size >= total
+        # whether every rank may go back to whole batches after this batch: each ran its whole batch as one piece
+        # (a probe that reached it, or a batch no larger than the micro-batch), and some rank probed
+        size_run = policy.probe_size if policy.probe_size is not None else policy.micro_batch_size
+        fits_whole = size_run is None or size_run >= total
         header = [
             failure.kind if fatal else NO_FAILURE,
             self.rank + 1 if fatal else 0,
             self.rank + 1 if oom else 0,
             -proposal,
-            0 if probe_reaches_whole else 1,
+            0 if fits_whole else 1,
+            1 if policy.probing else 0,
             total,
             -total,
         ]
@@ -499,14 +538,14 @@ class MicroBatchTrainer:
             "fatal_rank": header[1] - 1,
             "oom_rank": header[2] - 1 if header[2] else None,
             "size": -header[3],
-            "whole_everywhere": header[4] == 0,
-            "same_batch_size": header[5] == -header[6],
+            "whole_everywhere": header[4] == 0 and header[5] == 1,
+            "same_batch_size": header[6] == -header[7],
             "has_grad": mask,
         }
 
     def _fail(self, failure: _LocalFailure | None, agreed: dict[str, Any], size: int, total: int) -> None:
-        if failure is not None and failure.kind == OTHER_ERROR and failure.error is not None:
-            # a real error of this rank's training step: re-raise it as it is
+        if failure is not None and failure.kind in (OTHER_ERROR, AFTER_BACKWARD_FAILURE) and failure.error is not None:
+            # a real error of this rank's training step (or a hook after its backward): re-raise it as it is
             raise failure.error
         if failure is not None and failure.kind == OOM_AT_FLOOR:
             raise OOMRecoveryError(self.reporter.floor_message(self.rank, size, total, failure.description))
@@ -533,9 +572,12 @@ class MicroBatchTrainer:
         if rank < 0:
             return
         if failed:
+            if self.pending_error is not None:
+                raise self.pending_error
             raise OOMRecoveryError(self.pending_failure)
         raise OOMRecoveryError(
-            f"{self.owner}: rank {rank} ran out of memory inside the optimizer step; every rank stops {where}."
+            f"{self.owner}: rank {rank} failed after its gradients were complete (an out-of-memory error inside the"
+            f" optimizer step, or an error in a hook after the backward); every rank stops {where}."
         )
 
     def close(self) -> None:
@@ -663,6 +705,6 @@ class BackoffOptimization(compat.AutomaticOptimization):
             # save or the end of training. There every rank stops together, and no checkpoint is written.
             if not compat.should_accumulate(self.trainer):
                 self.optim_progress.optimizer.step.increment_completed()
-            self.runner.pending_failure = message
+            self.runner.pending_kind, self.runner.pending_failure = OPTIMIZER_STEP_OOM, message
         if self.runner.pending_failure is not None:
             release_memory()

@@ -235,8 +235,9 @@ class OOMBackoff(Callback):
             )
         if stage == "fit" and isinstance(trainer.strategy, DDPStrategy):
             # before the model is wrapped: a rank that runs out of memory tells the others in the gradient all-reduce
-            # (one bit, in the last bucket itself; the loss's gradient is scaled instead of each bucket divided)
-            trainer.strategy.step_flag = StepFlag(slots=1, in_place=True, divide=False)
+            # (one bit, in the last bucket itself; in this callback's own steps the loss's gradient is scaled instead
+            # of each bucket divided)
+            trainer.strategy.step_flag = StepFlag(slots=1, in_place=True)
         if self.recover_eval:
             self._install_eval_wrappers(trainer, pl_module)
 

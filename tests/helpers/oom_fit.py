@@ -51,7 +51,15 @@ class Branchy(IndexedRegression):
 
 
 class FailsAfterBackward(IndexedRegression):
-    """Rank 1 runs out of memory in ``on_after_backward`` at step 1, once every gradient bucket was reduced."""
+    """Rank 1 runs out of memory in ``on_after_backward`` at step 1, once every gradient bucket was reduced.
+
+    It also logs a value synchronised across the ranks at every step: a collective of ``self.log``'s own.
+    """
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("synced_loss", loss, sync_dist=True)
+        return loss
 
     def on_after_backward(self) -> None:
         if self.global_rank == 1 and self.trainer.global_step == 1:

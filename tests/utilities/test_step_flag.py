@@ -72,7 +72,11 @@ def _recording(hook: Any, seen: set[int]) -> Any:
 
 # the hooks, and how the flag rides: as sums in a longer last message, or as one bit in the last bucket itself with
 # the loss's gradient scaled instead of each bucket divided
-FLAG_MODES = [(name, "sums") for name in FLAGGED_HOOK_NAMES] + [("mean", "in place"), ("fp16", "undivided")]
+FLAG_MODES = [(name, "sums") for name in FLAGGED_HOOK_NAMES] + [
+    ("mean", "in place"),
+    ("mean", "in place, divided"),  # a backward whose loss gradient nobody scaled: the hook divides
+    ("fp16", "undivided"),
+]
 
 
 def _flag_cases(rank: int, world_size: int) -> dict[str, Any]:
@@ -82,7 +86,7 @@ def _flag_cases(rank: int, world_size: int) -> dict[str, Any]:
             reference, ours = _model(as_view), _model(as_view)
             if name != "mean":  # the pack's compress hooks (torch's fp16 one; a bf16 one that works on gloo too)
                 register_comm_hook(reference, name)
-            in_place, divide = mode == "in place", mode == "sums"
+            in_place, divide = mode.startswith("in place"), mode in ("sums", "in place, divided")
             flag = StepFlag(slots=2, process_group=ours.process_group, in_place=in_place, divide=divide)
             buckets: set[int] = set()
             register_flagged_hook(ours, flag, name, wrap=lambda hook, seen=buckets: _recording(hook, seen))
@@ -145,13 +149,14 @@ def test_flagged_hook_gives_ddps_gradients_and_every_rank_the_sums(flag_cases, n
         case = results[f"{name}-{mode}-{as_view}"]
         # bit for bit, the first step (before the rebuild) included; a loss gradient scaled by 1/2 is exact. In
         # place, a step where a rank raised the bit has an infinite gradient element: such a step is to be dropped
-        expected_same = [not any(sums) for sums in _expected_sums()] if mode == "in place" else [True] * STEPS
+        in_place = mode.startswith("in place")
+        expected_same = [not any(sums) for sums in _expected_sums()] if in_place else [True] * STEPS
         assert case["same"] == expected_same, rank
         assert len(case["buckets"]) >= 3  # several buckets: the flags ride in one of them only
         assert case["raised"] == [any(sums) for sums in _expected_sums()], rank
         assert case["reductions"] == STEPS
         assert case["dtype"] == {"mean": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
-        if mode != "in place":
+        if not in_place:
             assert case["reduced"] == _expected_sums(), rank
         else:  # one element of the last bucket: finite where nothing was raised
             assert [math.isfinite(value[0]) for value in case["reduced"]] == [not r for r in case["raised"]]
