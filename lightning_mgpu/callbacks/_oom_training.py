@@ -365,8 +365,11 @@ class MicroBatchTrainer:
                 # outside the except block: the failed attempt's frames are gone; a full garbage collection (about
                 # 200 ms) only if CUDA still holds more than before the attempt
                 release_memory(allocated_before)
-            if ddp is not None and flag is not None and not self._finish_failed_step(ddp, flag, failure, kwargs):
-                if flag.issued and flag.reductions > reductions and self.world_size > 1 and losses:
+            if ddp is not None and flag is not None:
+                if self._finish_failed_step(ddp, flag, failure, kwargs):
+                    if self.world_size > 1:
+                        _raised(flag, reductions)  # as the others read the flag: they may ask every rank (a NaN)
+                elif flag.issued and flag.reductions > reductions and self.world_size > 1 and losses:
                     # after the step's reduction finished (in an on_after_backward hook, say): every rank holds
                     # the step's averaged gradients and steps with them; the next step's flag stops every rank
                     self.pending_kind, self.pending_error = AFTER_BACKWARD_FAILURE, failure.error
@@ -374,9 +377,10 @@ class MicroBatchTrainer:
                         f"{self.owner}: rank {self.rank} failed after its gradients were reduced, in a hook after"
                         f" the backward: {failure.description}"
                     )
+                    _raised(flag, reductions)  # as the others read the flag
                     replay_logs(self.pl_module, logs, "training_step")  # the others log (and sync) theirs
                     return ClosureResult(losses[0], extra={}), None
-                if self.world_size > 1:
+                elif self.world_size > 1:
                     # before DDP's forward started: the other ranks cannot be told in this step. They stop at their
                     # next collective (the strategy's hang watchdog, or the process group's timeout)
                     if failure.error is not None:

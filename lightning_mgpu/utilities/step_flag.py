@@ -57,8 +57,10 @@ class StepFlag:
     **In place** (``in_place=True``, for the ``"mean"`` hook): the last bucket is reduced where it is, with no longer
     message and no copy. The ranks then agree on one bit instead of sums: a rank that contributes anything makes the
     first element of its last bucket infinite (its gradients are not meant to be used), so the reduced element is
-    not finite on every rank; :attr:`reduced` is that element, and :meth:`raised` tests it. A gradient that is not
-    finite there by itself reads as raised too. ``divide=False`` leaves the averaging to the caller, who scales the
+    not finite on every rank; :attr:`reduced` is that element. A gradient that is not finite there by itself (a NaN
+    loss, a float16 overflow) makes it so too: :meth:`raised` reads both as raised, and :meth:`raised_on_host` tells
+    them apart with one more all-reduce of one element, on such steps only (every rank sees the same element, so
+    every rank asks). ``divide=False`` leaves the averaging to the caller, who scales the
     loss's gradient by :attr:`loss_scale` (a tensor hook on the loss): the ``"mean"`` hook then sums, with no pass
     over the buckets of its own (the ``fp16``/``bf16`` hooks still divide after their cast, as torch's do, and
     :attr:`loss_scale` is then 1). On the CPU, where that pass and the copy are the hook's cost, these two halve it
@@ -96,6 +98,8 @@ class StepFlag:
         self._last_message: Tensor | None = None
         self._pass_hook: Any = None  # the forward pre-hook's handle
         self._carried_in_place = False  # whether the last reduction carried the bit in the bucket itself
+        self._contributed = False  # whether this rank raised the bit in the last reduction
+        self._confirmed: bool | None = None  # the ranks' answer, once asked, for a non-finite bit
         self.hook_name: str | None = None  # the flagged hook registered last
 
     def _forward_started(self, module: Any, args: Any) -> None:
@@ -123,7 +127,11 @@ class StepFlag:
         return 1.0 / dist.get_world_size(self.process_group)
 
     def raised(self) -> Tensor | None:
-        """A boolean device tensor: whether any rank contributed in the last reduction; ``None`` before the first."""
+        """A boolean device tensor: whether any rank contributed in the last reduction; ``None`` before the first.
+
+        In place, a gradient that is not finite at the bit's element reads as raised too (:meth:`raised_on_host`
+        tells the two apart).
+        """
         reduced = self.reduced
         if reduced is None:
             return None
@@ -132,13 +140,26 @@ class StepFlag:
         return (reduced != 0).any()
 
     def raised_on_host(self) -> bool:
-        """:meth:`raised`, read on the host: a memory load on the CPU, a wait for the reduction on a GPU."""
+        """Whether any rank contributed in the last reduction, read on the host (on a GPU, a wait for it).
+
+        On the CPU the read is a memory load. In place, a bit element that is not finite may be a gradient's own
+        NaN or infinity rather than a rank's flag: the ranks then say which with an all-reduce of one element (a NaN
+        loss or an overflowing float16 step costs that, a step where the element is finite nothing). Call it on
+        every rank of the group at the same point of the step: every rank reads the same element, so every rank
+        takes part in that question.
+        """
         reduced = self.reduced
         if reduced is None:
             return False
-        if self._carried_in_place:
-            return not math.isfinite(reduced.item())
-        return any(reduced.tolist())
+        if not self._carried_in_place:
+            return any(reduced.tolist())
+        if math.isfinite(reduced.item()):
+            return False
+        if self._confirmed is None:
+            contributed = torch.tensor([1.0 if self._contributed else 0.0], device=reduced.device)
+            dist.all_reduce(contributed, group=self.process_group)
+            self._confirmed = contributed.item() > 0
+        return self._confirmed
 
     @property
     def pending(self) -> tuple[int, ...]:
@@ -260,8 +281,10 @@ def flagged_hook(name: FlaggedHookName) -> Callable[[StepFlag, dist.GradBucket],
         in_place = wire is None and (not last or flag.in_place)
         if in_place:
             sent = buffer.mul_(1.0 / world_size) if divide else buffer  # DDP multiplies by the reciprocal
-            if last and any(flag._take()):
-                sent[:1].fill_(math.inf)  # infinite after the sum, on every rank
+            if last:
+                flag._contributed = any(flag._take())
+                if flag._contributed:
+                    sent[:1].fill_(math.inf)  # not finite after the sum, on every rank
         else:
             size = buffer.numel()
             if last:
@@ -286,7 +309,7 @@ def flagged_hook(name: FlaggedHookName) -> Callable[[StepFlag, dist.GradBucket],
             if last:
                 # its own: the bucket (or the message) is the next step's
                 flag.reduced = reduced[:1].clone() if in_place else reduced[buffer.numel() :].clone()
-                flag._carried_in_place = in_place
+                flag._carried_in_place, flag._confirmed = in_place, None
                 flag.reductions += 1
             if wire is None:  # the bucket itself, reduced in place, or the longer message, which DDP copies in
                 return reduced[: buffer.numel()]

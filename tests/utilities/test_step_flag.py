@@ -302,7 +302,35 @@ def _failure_cases(rank: int, world_size: int) -> dict:
     results["accumulation reference"] = _train_with_failure(rank, None, -1, skip=2, micro_batches=2)
     results["fails under no_sync"] = _train_with_failure(rank, "forward", 2, micro_batches=2)
     results["edges"] = _edge_cases(rank)
+    results["non-finite"] = _non_finite_cases(rank)
     return results
+
+
+# (what rank 1's loss is multiplied by, the ranks that raise the bit) per step
+NON_FINITE_STEPS = [(1.0, ()), (math.nan, ()), (math.inf, ()), (math.nan, (0,)), (1.0, (1,)), (1.0, ())]
+
+
+def _non_finite_cases(rank: int) -> list[tuple[bool, bool, int]]:
+    """In place, per step: what raised() and raised_on_host() say, and how many collectives the host read ran."""
+    model = _model(as_view=False)
+    flag = StepFlag(slots=1, process_group=model.process_group, in_place=True, divide=False)
+    register_flagged_hook(model, flag, "mean")
+    found = []
+    for step, (factor, raising) in enumerate(NON_FINITE_STEPS):
+        generator = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, 24, generator=generator), torch.randint(0, 3, (8,), generator=generator)
+        model.zero_grad(set_to_none=True)
+        if rank in raising:
+            flag.set(0, 1)
+        loss = nn.functional.cross_entropy(model(x), y) * (factor if rank == 1 else 1.0)
+        loss.register_hook(lambda grad: grad * flag.loss_scale)
+        loss.backward()
+        on_device = bool(flag.raised())
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            on_host = flag.raised_on_host()
+            assert flag.raised_on_host() == on_host  # asked once per reduction
+        found.append((on_device, on_host, sum(e.name.startswith("gloo:") for e in prof.events())))
+    return found
 
 
 def _edge_cases(rank: int) -> dict:
@@ -405,6 +433,17 @@ def test_what_cannot_be_finished_says_so_and_unsupported_options_refuse(failure_
     for results in failure_cases:
         for option in ("find_unused_parameters", "static_graph"):
             assert f"{option}=True is not supported" in results["edges"][option]
+
+
+@pytest.mark.distributed
+def test_a_gradient_that_is_not_finite_by_itself_is_told_from_the_bit_on_the_host(failure_cases):
+    # a NaN or an infinity in the bit's element makes it not finite, as a raised bit does: raised() (on the device)
+    # reads both as raised; raised_on_host() asks the ranks with one all-reduce of one element, on those steps only
+    for results in failure_cases:
+        on_device, on_host, collectives = zip(*results["non-finite"], strict=True)
+        assert list(on_device) == [False, True, True, True, True, False]
+        assert list(on_host) == [bool(raising) for _, raising in NON_FINITE_STEPS]
+        assert list(collectives) == [0, 1, 1, 1, 1, 0]
 
 
 def _three_ranks(rank: int, world_size: int) -> dict:
