@@ -164,7 +164,9 @@ class MicroBatchTrainer:
         modules = self.pl_module.modules()
         self.sync_bn = self.world_size > 1 and any(isinstance(m, DistributedBatchNorm) for m in modules)
         self.batch_rollback = StepRollback(self.pl_module) if self.sync_bn else None
-        self.params: list[Tensor] = []  # listed again at every batch
+        self.params: list[Tensor] = []  # listed again at every batch that needs them
+        self._half_params_of: Any = None  # the DDP wrap whose parameters were last checked for float16
+        self._half_params = False
         self.pending_failure: str | None = None
         self.pending_kind = OPTIMIZER_STEP_OOM  # what pending_failure is
         self.pending_error: BaseException | None = None  # an error that is not an OOM, raised again at the stop
@@ -185,8 +187,6 @@ class MicroBatchTrainer:
         except ValueError:
             # no tensor with a batch dimension: the batch runs whole, and an OOM on it cannot be recovered
             total, splittable = 1, False
-        # listed per batch: layers a fine-tuning callback unfroze since the last batch are averaged too
-        self.params = [p for p in self.pl_module.parameters() if p.requires_grad]
         model = self.trainer.strategy.model
         self.ddp = model if isinstance(model, DistributedDataParallel) else None  # bucket tuning wraps anew
         zero_grad_fn = loop.zero_grad_fn(batch_idx, optimizer)
@@ -211,6 +211,7 @@ class MicroBatchTrainer:
             if self.ddp is not None:
                 self._broadcast_buffers(first_of_window=True)  # the statistics were put back to the step's start
         else:
+            self.params = self._trainable_params()
             if self.ddp is not None:
                 self._broadcast_buffers(first_of_window=zero_grad_fn is not None)
             if zero_grad_fn is not None:
@@ -283,6 +284,10 @@ class MicroBatchTrainer:
             self.ddp.require_forward_param_sync = True
         return self._closure_result(done)
 
+    def _trainable_params(self) -> list[Tensor]:
+        """Listed per batch that needs them: layers a fine-tuning callback unfroze since are averaged too."""
+        return [p for p in self.pl_module.parameters() if p.requires_grad]
+
     def _batch_succeeded(self, whole_everywhere: bool = False) -> None:
         probed = self.policy.batch_succeeded(back_to_whole=whole_everywhere)
         if whole_everywhere:
@@ -318,7 +323,10 @@ class MicroBatchTrainer:
             flag.set(0, 1)  # an optimizer step that failed earlier on this rank: stop everywhere, at this step
         reductions = flag.reductions if flag is not None else 0
         grad_scale = 1.0
-        if ddp is not None and flag is not None and not any(p.dtype == torch.float16 for p in self.params):
+        if ddp is not None and ddp is not self._half_params_of:  # checked again when bucket tuning wraps anew
+            self._half_params_of = ddp
+            self._half_params = any(p.dtype == torch.float16 for p in ddp.parameters())
+        if ddp is not None and flag is not None and not self._half_params:
             # this backward's loss gradient is scaled, so the hook need not divide (any other backward through the
             # model, a learning-rate finder's say, keeps the hook's division); not for float16 parameters, whose
             # gradients would underflow sooner divided first
@@ -358,7 +366,8 @@ class MicroBatchTrainer:
             if not failed_elsewhere:
                 replay_logs(self.pl_module, logs, "training_step")
                 return ClosureResult(detached, extra=extra), None
-        else:
+        self.params = self._trainable_params()  # listed only for a step that failed: the undo needs them
+        if failure is not None:
             if failure.kind == RECOVERABLE_OOM:
                 for param in self.params:  # the partial gradients go too (the step's zero_grad had set them aside)
                     param.grad = None
