@@ -28,6 +28,7 @@ every rank agreed on; the callback prints, records and words the errors (:class:
 """
 
 import contextlib
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -165,7 +166,8 @@ class MicroBatchTrainer:
         self.sync_bn = self.world_size > 1 and any(isinstance(m, DistributedBatchNorm) for m in modules)
         self.batch_rollback = StepRollback(self.pl_module) if self.sync_bn else None
         self.params: list[Tensor] = []  # listed again at every batch that needs them
-        self._half_params_of: Any = None  # the DDP wrap whose parameters were last checked for float16
+        # the DDP wrap whose parameters were last checked for float16, held weakly (bucket tuning frees old wraps)
+        self._half_params_of: weakref.ref | None = None
         self._half_params = False
         self.pending_failure: str | None = None
         self.pending_kind = OPTIMIZER_STEP_OOM  # what pending_failure is
@@ -323,8 +325,9 @@ class MicroBatchTrainer:
             flag.set(0, 1)  # an optimizer step that failed earlier on this rank: stop everywhere, at this step
         reductions = flag.reductions if flag is not None else 0
         grad_scale = 1.0
-        if ddp is not None and ddp is not self._half_params_of:  # checked again when bucket tuning wraps anew
-            self._half_params_of = ddp
+        checked = self._half_params_of() if self._half_params_of is not None else None
+        if ddp is not None and ddp is not checked:  # checked again when bucket tuning wraps anew
+            self._half_params_of = weakref.ref(ddp)
             self._half_params = any(p.dtype == torch.float16 for p in ddp.parameters())
         if ddp is not None and flag is not None and not self._half_params:
             # this backward's loss gradient is scaled, so the hook need not divide (any other backward through the
@@ -368,27 +371,42 @@ class MicroBatchTrainer:
                 return ClosureResult(detached, extra=extra), None
         self.params = self._trainable_params()  # listed only for a step that failed: the undo needs them
         if failure is not None:
+            # after the step's reduction finished (in an on_after_backward hook, say): the gradients are every
+            # rank's average, and the others read the flag
+            reduced = (
+                self.world_size > 1
+                and ddp is not None
+                and flag is not None
+                and bool(losses)
+                and not flag.in_pass
+                and flag.issued > 0
+                and flag.reductions > reductions
+            )
             if failure.kind == RECOVERABLE_OOM:
-                for param in self.params:  # the partial gradients go too (the step's zero_grad had set them aside)
-                    param.grad = None
+                if not reduced:
+                    for param in self.params:  # the partial gradients go too (zero_grad had set them aside)
+                        param.grad = None
                 # outside the except block: the failed attempt's frames are gone; a full garbage collection (about
                 # 200 ms) only if CUDA still holds more than before the attempt
                 release_memory(allocated_before)
-            if ddp is not None and flag is not None:
-                if self._finish_failed_step(ddp, flag, failure, kwargs):
-                    if self.world_size > 1:
-                        _raised(flag, reductions)  # as the others read the flag: they may ask every rank (a NaN)
-                elif flag.issued and flag.reductions > reductions and self.world_size > 1 and losses:
-                    # after the step's reduction finished (in an on_after_backward hook, say): every rank holds
-                    # the step's averaged gradients and steps with them; the next step's flag stops every rank
+            if reduced:
+                assert flag is not None
+                if not _raised(flag, reductions):
+                    # no rank failed before the reduction: every rank steps with the averaged gradients (this one
+                    # too, so that a 16-mixed scaler finds its inf checks), and the next step's flag stops them all
                     self.pending_kind, self.pending_error = AFTER_BACKWARD_FAILURE, failure.error
                     self.pending_failure = (
                         f"{self.owner}: rank {self.rank} failed after its gradients were reduced, in a hook after"
                         f" the backward: {failure.description}"
                     )
-                    _raised(flag, reductions)  # as the others read the flag
                     replay_logs(self.pl_module, logs, "training_step")  # the others log (and sync) theirs
                     return ClosureResult(losses[0], extra={}), None
+                # another rank failed in this step's reduction: no rank steps on it, and this failure is handled
+                # with the others' in the agreement that follows
+            elif ddp is not None and flag is not None:
+                if self._finish_failed_step(ddp, flag, failure, kwargs):
+                    if self.world_size > 1:
+                        _raised(flag, reductions)  # as the others read the flag (they ask every rank on a NaN)
                 elif self.world_size > 1:
                     # before DDP's forward started: the other ranks cannot be told in this step. They stop at their
                     # next collective (the strategy's hang watchdog, or the process group's timeout)

@@ -4,7 +4,8 @@ A rank that must tell the others something about the step under way (it ran out 
 collective of its own, and reading its result on the host is a synchronisation per step. Here the message rides in
 the step's last gradient bucket instead: the hook reduces that bucket with a few more elements, the ranks'
 contributions, so the sums arrive on the device, on every rank, with the gradients, at the cost of no extra
-collective and no host read.
+collective and no host read. (Carried in place, as one bit, a step whose bit element is not finite costs one
+all-reduce of one element when read on the host: see :meth:`StepFlag.raised_on_host`.)
 
 A rank whose forward or backward raised (an out-of-memory error) would leave the others waiting in the step's
 all-reduces. :meth:`StepFlag.finish_failed_step` lets it take part with zeros instead: the buckets it had already
@@ -182,7 +183,9 @@ class StepFlag:
         Call it where the error was caught, on the failing rank only, once its frames are gone. The buckets this
         rank had already handed over are not sent again; the others are sent as zeros, and ``value`` goes to
         ``slot``. The other ranks' backward passes then complete, and every rank finds the failure in
-        :attr:`reduced`. The gradients are not meant to be used: the step should be dropped everywhere.
+        :attr:`reduced`. The gradients are not meant to be used: the step should be dropped everywhere. In place,
+        where the others read the flag with :meth:`raised_on_host`, this rank reads it too (their read asks every
+        rank, since the bit element is not finite).
 
         What it cannot finish, it says by returning ``False`` (nothing sent, nothing set): a failure before the
         DDP model's forward started (the other ranks' forward broadcasts buffers and, after the first step, DDP's

@@ -220,3 +220,18 @@ def test_an_oom_after_the_last_bucket_went_stops_both_at_the_next_step(tmp_path)
     assert "rank 1 failed in a hook after the backward" in dumps[0]["exception"]["message"]
     assert "CUDA out of memory" in dumps[1]["exception"]["message"]
     assert [d["global_step"] for d in dumps] == [2, 2]
+
+
+@pytest.mark.distributed
+def test_an_oom_after_the_reduction_while_another_rank_failed_before_it_is_recovered_with_it(tmp_path, reference):
+    # step 1: rank 0 runs out of memory in its forward (batches above 4 samples, from batch 1 on) and finishes the
+    # reduction with the flag; rank 1 fails in on_after_backward, after the reduction. No rank steps on that batch:
+    # both redo it in micro-batches of 4, and the fit goes on to the end as stock Lightning at that size
+    result, dumps = run_fit(
+        tmp_path, "--model", "after-backward", "--inject", "forward", "--rank", 0, "--oom-from-batch", 1, timeout=120
+    )
+    assert result["rc"] == 0, result["output"][-3000:]
+    assert [d["micro_batch_size"] for d in dumps] == [4, 4]
+    every_index_once_per_epoch(dumps)
+    assert_params_close(dumps[0]["params"], dumps[1]["params"], atol=0)
+    assert_params_close(dumps[0]["params"], reference[0]["params"], atol=1e-5)

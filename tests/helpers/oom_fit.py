@@ -51,10 +51,13 @@ class Branchy(IndexedRegression):
 
 
 class FailsAfterBackward(IndexedRegression):
-    """Rank 1 runs out of memory in ``on_after_backward`` at step 1, once every gradient bucket was reduced.
+    """Rank 1 runs out of memory in ``on_after_backward`` at step 1, once every gradient bucket was reduced (once:
+    a redo of the step does not fail there again).
 
     It also logs a value synchronised across the ranks at every step: a collective of ``self.log``'s own.
     """
+
+    failed_after_backward = False
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
@@ -62,7 +65,8 @@ class FailsAfterBackward(IndexedRegression):
         return loss
 
     def on_after_backward(self) -> None:
-        if self.global_rank == 1 and self.trainer.global_step == 1:
+        if self.global_rank == 1 and self.trainer.global_step == 1 and not self.failed_after_backward:
+            self.failed_after_backward = True
             raise_oom()
 
 
