@@ -42,8 +42,9 @@ CONFIGS = {
     # "mgpu" with OOMBackoff and no OOM: the price of its whole-batch path (the failure flag in DDP's reduction, the
     # copies an undo would need, the held-back self.log calls)
     "mgpu_oom_backoff": "mgpu",
-    # "mgpu" carrying OOMBackoff's failure flag in its reduction (a Python hook per bucket) with no callback: the
-    # hook's share of mgpu_oom_backoff's price
+    # "mgpu" carrying OOMBackoff's failure flag in its reduction (a Python hook per bucket) with no callback: about
+    # the hook's share of mgpu_oom_backoff's price (this hook divides each bucket, as DDP's own reduction does;
+    # OOMBackoff's steps scale the loss's gradient instead, and read the flag)
     "mgpu_step_flag": "mgpu",
     # "mgpu" without its hang watchdog (hang_timeout=None): "mgpu" against this is the watchdog's per-step price
     "mgpu_no_hang_watch": "mgpu",

@@ -382,28 +382,26 @@ class MicroBatchTrainer:
                 and flag.issued > 0
                 and flag.reductions > reductions
             )
+            # no rank raised the flag in that reduction: every rank steps with the averaged gradients (this one
+            # too, so that a 16-mixed scaler finds its inf checks), and the next step's flag stops them all.
+            # Otherwise no rank steps on it, and this failure is handled with the others' in the agreement
+            stepping = reduced and not _raised(flag, reductions)
             if failure.kind == RECOVERABLE_OOM:
-                if not reduced:
+                if not stepping:
                     for param in self.params:  # the partial gradients go too (zero_grad had set them aside)
                         param.grad = None
                 # outside the except block: the failed attempt's frames are gone; a full garbage collection (about
                 # 200 ms) only if CUDA still holds more than before the attempt
                 release_memory(allocated_before)
-            if reduced:
-                assert flag is not None
-                if not _raised(flag, reductions):
-                    # no rank failed before the reduction: every rank steps with the averaged gradients (this one
-                    # too, so that a 16-mixed scaler finds its inf checks), and the next step's flag stops them all
-                    self.pending_kind, self.pending_error = AFTER_BACKWARD_FAILURE, failure.error
-                    self.pending_failure = (
-                        f"{self.owner}: rank {self.rank} failed after its gradients were reduced, in a hook after"
-                        f" the backward: {failure.description}"
-                    )
-                    replay_logs(self.pl_module, logs, "training_step")  # the others log (and sync) theirs
-                    return ClosureResult(losses[0], extra={}), None
-                # another rank failed in this step's reduction: no rank steps on it, and this failure is handled
-                # with the others' in the agreement that follows
-            elif ddp is not None and flag is not None:
+            if stepping:
+                self.pending_kind, self.pending_error = AFTER_BACKWARD_FAILURE, failure.error
+                self.pending_failure = (
+                    f"{self.owner}: rank {self.rank} failed after its gradients were reduced, in a hook after"
+                    f" the backward: {failure.description}"
+                )
+                replay_logs(self.pl_module, logs, "training_step")  # the others log (and sync) theirs
+                return ClosureResult(losses[0], extra={}), None
+            if not reduced and ddp is not None and flag is not None:
                 if self._finish_failed_step(ddp, flag, failure, kwargs):
                     if self.world_size > 1:
                         _raised(flag, reductions)  # as the others read the flag (they ask every rank on a NaN)

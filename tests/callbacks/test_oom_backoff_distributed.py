@@ -220,6 +220,8 @@ def test_an_oom_after_the_last_bucket_went_stops_both_at_the_next_step(tmp_path)
     assert "rank 1 failed in a hook after the backward" in dumps[0]["exception"]["message"]
     assert "CUDA out of memory" in dumps[1]["exception"]["message"]
     assert [d["global_step"] for d in dumps] == [2, 2]
+    # rank 1 stepped with the averaged gradients too: the replicas stayed identical
+    assert_params_close(dumps[0]["params"], dumps[1]["params"], atol=0)
 
 
 @pytest.mark.distributed
@@ -231,7 +233,10 @@ def test_an_oom_after_the_reduction_while_another_rank_failed_before_it_is_recov
         tmp_path, "--model", "after-backward", "--inject", "forward", "--rank", 0, "--oom-from-batch", 1, timeout=120
     )
     assert result["rc"] == 0, result["output"][-3000:]
+    # the agreement names the highest failing rank: rank 1's failure after the reduction reached it
+    assert "rank 1 ran out of memory at micro-batch size 8" in result["output"]
     assert [d["micro_batch_size"] for d in dumps] == [4, 4]
+    assert [d["recoveries"] for d in dumps] == [1, 1]
     every_index_once_per_epoch(dumps)
     assert_params_close(dumps[0]["params"], dumps[1]["params"], atol=0)
     assert_params_close(dumps[0]["params"], reference[0]["params"], atol=1e-5)
