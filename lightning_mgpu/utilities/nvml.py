@@ -357,6 +357,14 @@ class _Resolver:
         self.order_note = f"CUDA_DEVICE_ORDER={device_order or 'FASTEST_FIRST'}"
 
     def resolve(self, index: int, uuid: str | None) -> tuple[NVMLDevice | None, str | None]:
+        device, problem = self._resolve(index, uuid)
+        if device is None and index == 0 and len(self.devices) == 1 and not self.devices[0].is_mig:
+            # NVML sees one whole GPU, and CUDA sees a device: it can only be that GPU, whatever CUDA_VISIBLE_DEVICES
+            # calls it (a container that numbers the host's GPUs, say)
+            return self.devices[0], None
+        return device, problem
+
+    def _resolve(self, index: int, uuid: str | None) -> tuple[NVMLDevice | None, str | None]:
         if uuid is not None:
             key = normalize_uuid(uuid)
             matches = [d for d in self.devices if normalize_uuid(d.uuid) == key]

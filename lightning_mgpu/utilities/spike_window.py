@@ -61,8 +61,12 @@ class SpikeWindow:
     def to(self, device: torch.device) -> None:
         """Keep the window on ``device``; a no-op where it is already."""
         if self.values.device != device:
-            self.values, self.count, self.next = self.values.to(device), self.count.to(device), self.next.to(device)
-            self._sums = self._sums.to(device)
+            self.values, self.count, self.next = (
+                _to(self.values, device),
+                _to(self.count, device),
+                _to(self.next, device),
+            )
+            self._sums = _to(self._sums, device)
 
     def statistics(self) -> tuple[Tensor, Tensor]:
         """Each row's mean and unbiased standard deviation over the values held (zeros while none are)."""
@@ -116,3 +120,10 @@ class SpikeWindow:
         self.count = torch.tensor(int(state.get("count", 0)), dtype=torch.long, device=device)
         self.next = torch.tensor(int(state.get("next", 0)), dtype=torch.long, device=device)
         self._sums = torch.stack((self.values.sum(dim=1), (self.values * self.values).sum(dim=1)))
+
+
+def _to(tensor: Tensor, device: torch.device) -> Tensor:
+    """``tensor`` on ``device``; from the host to a GPU through pinned memory, so that the copy does not synchronise."""
+    if tensor.device.type == "cpu" and device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)

@@ -228,6 +228,18 @@ def test_map_torch_devices_refuses_to_guess(visible, order, indices, expected, w
     assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in messages[0] and "UUID" in messages[0]  # how to fix it
 
 
+@pytest.mark.parametrize("visible", [None, "3", "GPU-ffff", "0"])
+def test_with_one_gpu_in_nvml_the_first_torch_device_is_that_gpu(visible):
+    # a container showing one of the host's GPUs may keep the host's number (or a name NVML does not know) in
+    # CUDA_VISIBLE_DEVICES: CUDA sees a device, NVML one GPU, so they are the same
+    session, messages = session_of(FakeNVML([FakeGPU("NVIDIA H100 80GB HBM3", TWIN_0)]))
+    assert _uuids(session.map_torch_devices([0], visible_devices=visible, device_order=None)) == [TWIN_0]
+    assert messages == []
+    # a second torch device cannot be it as well
+    assert _uuids(session.map_torch_devices([1], visible_devices=visible, device_order=None)) == [None]
+    assert len(messages) == 1 and "torch device 1" in messages[0]
+
+
 def test_map_torch_devices_warns_once_for_the_same_situation():
     session, messages = session_of(mixed_fake())
     for _ in range(3):
