@@ -102,7 +102,7 @@ class StepFlag:
         self._contributed = False  # whether this rank raised the bit in the last reduction
         self._confirmed: bool | None = None  # the ranks' answer, once asked, for a non-finite bit
         self.hook_name: str | None = None  # the flagged hook registered last
-        self._world_size: int | None = None  # of the process group, read once it is registered
+        self._averaged_over: int | None = None  # of the process group, read once it is registered
 
     def _forward_started(self, module: Any, args: Any) -> None:
         """A forward pre-hook on the DDP model's module: a new pass, if gradients are on (validation's are not)."""
@@ -126,9 +126,9 @@ class StepFlag:
         """What the caller scales the loss's gradient by: 1 / world size for the undivided ``"mean"`` hook, else 1."""
         if self.divide or self.hook_name != "mean":
             return 1.0
-        if self._world_size is None:
-            self._world_size = dist.get_world_size(self.process_group)
-        return 1.0 / self._world_size
+        if self._averaged_over is None:
+            self._averaged_over = dist.get_world_size(self.process_group)
+        return 1.0 / self._averaged_over
 
     def raised(self) -> Tensor | None:
         """A boolean device tensor: whether any rank contributed in the last reduction; ``None`` before the first.
@@ -365,6 +365,6 @@ def register_flagged_hook(
             )
     hook = flagged_hook(name)
     model.register_comm_hook(flag, wrap(hook) if wrap else hook)
-    flag.hook_name, flag._world_size = name, None  # the group may be another than at the last registration
+    flag.hook_name, flag._averaged_over = name, None  # the group may be another than at the last registration
     flag.release()  # a model wrapped again (bucket tuning): one pre-hook, on the module in use
     flag._pass_hook = model.module.register_forward_pre_hook(flag._forward_started)

@@ -101,7 +101,9 @@ def test_a_slow_loader_shows_up_as_data_wait_not_compute(tmp_path):
     fit(tmp_path, SlowLoaderModel(loader_ms=25), monitor)
     window = monitor.last_window
     assert window["data_wait_ms"] >= 22
-    assert window["fwd_bwd_ms"] < 10
+    # the step itself takes about 2 ms: well under the loader's 25 ms, even on a loaded machine, where counting the
+    # loader's wait as compute would put it
+    assert window["fwd_bwd_ms"] < 20
     assert window["step_ms"] >= window["data_wait_ms"] + window["fwd_bwd_ms"]
 
 
