@@ -680,6 +680,18 @@ def set_mesh_sizes(strategy: ModelParallelStrategy, data_parallel: int, tensor_p
     strategy._tensor_parallel_size = tensor_parallel
 
 
+def release_mesh_process_groups(mesh: Any) -> None:
+    """Drop the process groups a device mesh (and the mesh it was sliced from) holds: torch 2.13's ``_pg_registry``.
+
+    For after ``destroy_process_group``: DTensor's caches keep the meshes, so the groups and their gloo threads, alive
+    until the interpreter tears down. A mesh without the registry (an older torch) is left as it is.
+    """
+    for holder in (mesh, getattr(mesh, "_root_mesh", None)):
+        registry = getattr(holder, "_pg_registry", None)
+        if isinstance(registry, dict):
+            registry.clear()
+
+
 def configure_launcher(strategy: "pl.strategies.Strategy") -> None:
     """Let a strategy build its launcher, as the Trainer's connector does once (2.5.2-2.6.6)."""
     strategy._configure_launcher()

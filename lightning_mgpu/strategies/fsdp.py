@@ -30,7 +30,7 @@ from typing_extensions import override
 from lightning_mgpu import compat
 from lightning_mgpu.strategies.exact_resume import ExactResume, ExactResumeHooks
 from lightning_mgpu.strategies.hang_watch import DEFAULT_HANG_TIMEOUT, FitHangWatch, HangWatchHooks
-from lightning_mgpu.strategies.preemption import SigtermAgreementHooks
+from lightning_mgpu.strategies.preemption import SigtermAgreementHooks, release_mesh_at_exit
 from lightning_mgpu.strategies.sync_batchnorm import DeviceAgnosticSyncBatchNorm
 from lightning_mgpu.utilities.atomic_save import replace_folder, save_atomically, staging_folder
 from lightning_mgpu.utilities.blocks import apply_activation_checkpointing, check_class_names, find_repeated_blocks
@@ -198,6 +198,7 @@ class FSDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, Mode
         param_dtype = _PARAM_DTYPES.get(self.precision_name)
         offload = CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()
         mesh = self.device_mesh["data_parallel"]
+        release_mesh_at_exit(mesh)
         for block in blocks:
             fully_shard(
                 block,

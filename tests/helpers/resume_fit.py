@@ -15,6 +15,8 @@ does, from Lightning's ``hpc_ckpt_<n>.ckpt`` in ``--out``.
 """
 
 import argparse
+import atexit
+import glob
 import json
 import os
 import random
@@ -90,6 +92,17 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
+def record_threads_at_exit(out: Path) -> None:
+    """At interpreter exit, after every exit handler registered later (Lightning's, the pack's), write down the names
+    of this process's native threads to ``<out>/exit_threads_<pid>.json`` (Linux)."""
+
+    def record() -> None:
+        names = [Path(name).read_text().strip() for name in glob.glob("/proc/self/task/*/comm")]
+        (out / f"exit_threads_{os.getpid()}.json").write_text(json.dumps(names))
+
+    atexit.register(record)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -103,8 +116,11 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=30)
     parser.add_argument("--every", type=int, default=15)
     parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
+    parser.add_argument("--record-exit-threads", action="store_true", help="see record_threads_at_exit")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.record_exit_threads:
+        record_threads_at_exit(args.out)
     if args.kill_once and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         args.kill_rank = None
 
