@@ -49,7 +49,7 @@ from lightning_mgpu.utilities.distributed_batchnorm import PASS_LEDGER, Distribu
 from lightning_mgpu.utilities.grad_allreduce import DEFAULT_BUCKET_BYTES, average_gradients
 from lightning_mgpu.utilities.host_group import host_side_group
 from lightning_mgpu.utilities.micro_batch_policy import MicroBatchSizePolicy
-from lightning_mgpu.utilities.oom import is_out_of_memory, release_memory
+from lightning_mgpu.utilities.oom import cuda_allocated_bytes, is_out_of_memory, release_memory
 from lightning_mgpu.utilities.step_flag import StepFlag
 from lightning_mgpu.utilities.step_pieces import LogCall, capture_logs, merge_outputs, replay_logs
 from lightning_mgpu.utilities.step_rollback import StepRollback
@@ -114,13 +114,13 @@ def _step_and_backward(
     weight: float,
     grad_scale: float = 1.0,
     losses: list[Tensor] | None = None,
-) -> tuple[Tensor | None, dict[str, Any]]:
+) -> tuple[ClosureResult, Tensor | None]:
     """Run Lightning's training step on ``kwargs`` and the backward of its loss times ``weight``.
 
     ``grad_scale`` multiplies the gradient the backward starts from, not the loss the hooks and loggers see (the
     step flag's hooks leave the division by the world size to it). ``losses`` receives the loss before the backward.
 
-    Returns the weighted loss, detached, and the step's other outputs.
+    Returns Lightning's result of the training step (its loss not weighted) and the weighted loss, detached.
     """
     output = loop.training_step(kwargs)
     loss = output.closure_loss
@@ -132,7 +132,7 @@ def _step_and_backward(
         losses.append(loss.detach())  # known before the backward, which may fail
     if loss is not None and backward_fn is not None:
         backward_fn(loss)
-    return (loss.detach() if loss is not None else None), output.extra
+    return output, (loss.detach() if loss is not None else None)
 
 
 class MicroBatchTrainer:
@@ -353,13 +353,13 @@ class MicroBatchTrainer:
         ddp, flag = self.ddp, self.flag
         self.rollback.save()  # a few small copies (normalization statistics, metric states) a failure would need
         PASS_LEDGER.start_pass()
-        allocated_before = torch.cuda.memory_allocated() if torch.cuda.is_initialized() else 0
+        allocated_before = cuda_allocated_bytes()
         logs: list[LogCall] = []
         failure = None
         losses: list[Tensor] = []
         try:
             with capture_logs(self.pl_module, logs, total):  # a synchronised self.log is a collective: held back
-                detached, extra = _step_and_backward(loop, kwargs, backward_fn, 1.0, grad_scale, losses)
+                result, _ = _step_and_backward(loop, kwargs, backward_fn, 1.0, grad_scale, losses)
         except Exception as err:
             failure = _LocalFailure.of(err)
         if failure is None:
@@ -368,7 +368,7 @@ class MicroBatchTrainer:
             failed_elsewhere = others and _raised(flag, reductions)
             if not failed_elsewhere:
                 replay_logs(self.pl_module, logs, "training_step")
-                return ClosureResult(detached, extra=extra), None
+                return result, None  # Lightning's own: its loss copied once, as without the callback
         self.params = self._trainable_params()  # listed only for a step that failed: the undo needs them
         if failure is not None:
             # after the step's reduction finished (in an on_after_backward hook, say): the gradients are every
@@ -390,6 +390,9 @@ class MicroBatchTrainer:
                 if not stepping:
                     for param in self.params:  # the partial gradients go too (zero_grad had set them aside)
                         param.grad = None
+                    # nor what the attempt logged or returned: held, its loss looks like memory a cycle holds
+                    losses.clear()
+                    logs.clear()
                 # outside the except block: the failed attempt's frames are gone; a full garbage collection (about
                 # 200 ms) only if CUDA still holds more than before the attempt
                 release_memory(allocated_before)
@@ -469,7 +472,7 @@ class MicroBatchTrainer:
         done: list[_Piece],
     ) -> _LocalFailure | None:
         while pending:
-            allocated_before = torch.cuda.memory_allocated() if torch.cuda.is_initialized() else 0
+            allocated_before = cuda_allocated_bytes()
             failure = self._train_piece(loop, kwargs, pending[0], total, backward_fn, done)
             if failure is not None:
                 if failure.kind == RECOVERABLE_OOM:
@@ -517,7 +520,7 @@ class MicroBatchTrainer:
             with self._no_sync(), capture_logs(self.pl_module, logs, samples):
                 piece_kwargs = OrderedDict(kwargs)
                 piece_kwargs["batch"] = piece
-                detached, extra = _step_and_backward(loop, piece_kwargs, backward_fn, weight)
+                output, detached = _step_and_backward(loop, piece_kwargs, backward_fn, weight)
         except Exception as err:
             if stashing:
                 _unstash_grads(self.params, stashed)
@@ -525,7 +528,7 @@ class MicroBatchTrainer:
                 self.rollback.restore()
             return _LocalFailure.of(err)
         _merge_stashed_grads(self.params, stashed)
-        done.append(_Piece(samples, detached, extra, logs))
+        done.append(_Piece(samples, detached, output.extra, logs))
         return None
 
     # ------------------------------------------------------------------------------------------ agreement

@@ -154,6 +154,9 @@ class FSDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, Mode
         # one data-parallel mesh dimension over every process: FSDP shards over all of them
         compat.set_mesh_sizes(self, self.num_nodes * self.num_processes, 1)
         super().setup_environment()
+        # every fit, test or validation builds a new mesh, with new process groups: a module that shards itself in
+        # configure_model, or one sharded by an earlier fit, is not sharded over it again
+        release_mesh_at_exit(self.device_mesh)
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:

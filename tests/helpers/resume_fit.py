@@ -16,6 +16,7 @@ does, from Lightning's ``hpc_ckpt_<n>.ckpt`` in ``--out``.
 
 import argparse
 import atexit
+import contextlib
 import glob
 import json
 import os
@@ -97,7 +98,10 @@ def record_threads_at_exit(out: Path) -> None:
     of this process's native threads to ``<out>/exit_threads_<pid>.json`` (Linux)."""
 
     def record() -> None:
-        names = [Path(name).read_text().strip() for name in glob.glob("/proc/self/task/*/comm")]
+        names = []
+        for name in glob.glob("/proc/self/task/*/comm"):
+            with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+                names.append(Path(name).read_text().strip())
         (out / f"exit_threads_{os.getpid()}.json").write_text(json.dumps(names))
 
     atexit.register(record)

@@ -10,6 +10,7 @@ from torch._utils import ExceptionWrapper
 
 from lightning_mgpu.utilities import oom
 from lightning_mgpu.utilities.oom import is_out_of_memory, memory_summary, release_memory
+from tests.helpers.runif import run_if
 
 # torch >= 2.8 raises torch.AcceleratorError (a RuntimeError) from C10_CUDA_CHECK; older releases a RuntimeError
 AcceleratorError = getattr(torch, "AcceleratorError", RuntimeError)
@@ -293,6 +294,21 @@ def test_release_memory_empties_the_cuda_cache_once_cuda_is_initialised(monkeypa
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
     release_memory()
     assert emptied == [True]
+
+
+def test_allocated_bytes_are_zero_before_cuda_starts(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert oom.cuda_allocated_bytes() == 0  # and nothing is read that would create a context
+
+
+@run_if(min_cuda_gpus=1)
+def test_allocated_bytes_are_what_memory_allocated_reports():
+    torch.cuda.init()
+    before = oom.cuda_allocated_bytes()
+    block = torch.empty(2**20, device="cuda")  # 4 MiB
+    assert oom.cuda_allocated_bytes() == torch.cuda.memory_allocated() >= before + 4 * 2**20
+    del block
+    assert oom.cuda_allocated_bytes() == torch.cuda.memory_allocated() == before
 
 
 def test_the_failed_steps_tensors_live_until_the_exception_is_dropped():
