@@ -18,7 +18,7 @@ SCRIPT = Path(__file__).parents[1] / "helpers" / "batch_search_fit.py"
 
 
 def fit(out: Path, *args: object) -> dict:
-    return run_recorded_script(SCRIPT, out, *args)
+    return run_recorded_script(SCRIPT, out, *args, ranks=2)
 
 
 def test_sizes_are_divisors_about_halving_and_every_rank_must_fit():

@@ -306,8 +306,10 @@ def test_summary_across_ranks_leaves_unknown_values_out():
 @pytest.mark.distributed
 def test_two_ranks_one_all_gather_per_logging_step_and_rank_zero_logs_min_mean_max(tmp_path):
     script = REPO / "tests" / "helpers" / "monitor_fit.py"
-    ours = run_script(script, "--out", tmp_path / "ours", "--steps", 20, "--log-every", 5, "--extra-mb", 1, 256)
-    none = run_script(script, "--out", tmp_path / "none", "--steps", 20, "--log-every", 5, "--no-monitor")
+    ours = run_script(
+        script, "--out", tmp_path / "ours", "--steps", 20, "--log-every", 5, "--extra-mb", 1, 256, ranks=2
+    )
+    none = run_script(script, "--out", tmp_path / "none", "--steps", 20, "--log-every", 5, "--no-monitor", ranks=2)
     for result in (ours, none):
         assert result["rc"] == 0 and not result["hung"], result["output"][-3000:]
     records = {r: json.loads((tmp_path / "ours" / f"rank{r}.json").read_text()) for r in (0, 1)}

@@ -15,7 +15,7 @@ NUM_SAMPLES = 32
 
 
 def run_fit(out: Path, *args: object, timeout: float = 150) -> tuple[dict, list[dict]]:
-    result = run_script(SCRIPT, "--out", out, *args, timeout=timeout)
+    result = run_script(SCRIPT, "--out", out, *args, timeout=timeout, ranks=2)
     assert not result["hung"], result["output"][-3000:]
     return result, load_rank_dumps(out)
 

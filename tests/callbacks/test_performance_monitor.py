@@ -211,7 +211,7 @@ def test_the_gauges_are_served_with_rank_and_uuid_labels():
 
 
 def run_fit(out: Path, *args: object) -> dict:
-    result = run_script(SCRIPT, "--out", out, *args, timeout=120)
+    result = run_script(SCRIPT, "--out", out, *args, timeout=120, ranks=2)
     assert not result["hung"] and result["rc"] == 0, result["output"][-4000:]
     records = {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)}
     records["output"] = result["output"]

@@ -236,7 +236,7 @@ def test_a_progress_bar_that_is_not_a_bool_is_refused_at_construction(name, valu
 def test_two_ranks_fields_add_no_collective_and_rank_zero_alone_shows_the_peak(tmp_path):
     # GPUMemoryMonitor, NaNSkip and GradientClipping with the bar drawn: rank 0 alone logs peak_mem_mb
     script = REPO / "tests" / "helpers" / "monitor_fit.py"
-    result = run_script(script, "--out", tmp_path, "--steps", 20, "--log-every", 5, "--progress-bar")
+    result = run_script(script, "--out", tmp_path, "--steps", 20, "--log-every", 5, "--progress-bar", ranks=2)
     assert result["rc"] == 0 and not result["hung"], result["output"][-3000:]
     records = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
     for rank in (0, 1):

@@ -15,7 +15,7 @@ STEPS = 10 * BUDGET  # the shortest fit that tunes
 
 
 def run_fit(out: Path, *args: object) -> list[dict]:
-    result = run_script(SCRIPT, "--out", out, "--budget", BUDGET, *args, timeout=150)
+    result = run_script(SCRIPT, "--out", out, "--budget", BUDGET, *args, timeout=150, ranks=2)
     assert not result["hung"], result["output"][-3000:]
     assert result["rc"] == 0, result["output"][-3000:]
     return load_rank_dumps(out)

@@ -17,7 +17,7 @@ SCRIPT = Path(__file__).parents[1] / "helpers" / "sharded_fit.py"
 
 
 def fit(out: Path, *args: object) -> dict:
-    return run_recorded_script(SCRIPT, out, *args)
+    return run_recorded_script(SCRIPT, out, *args, ranks=2)
 
 
 def max_difference(a: dict, b: dict) -> float:
@@ -119,7 +119,7 @@ def test_memory_budget_shards_when_only_the_sharded_setup_fits(runs):
 
 
 def test_memory_budget_that_nothing_fits_stops_every_rank_with_the_smallest_need(tmp_path):
-    result = run_script(SCRIPT, "--out", tmp_path, "--strategy", "auto", "--budget", 0.001, timeout=150)
+    result = run_script(SCRIPT, "--out", tmp_path, "--strategy", "auto", "--budget", 0.001, timeout=150, ranks=2)
     assert not result["hung"] and result["rc"] != 0
     assert result["output"].count("MemoryPlanError: no way to train this model fits: the smallest need is") == 2
     assert "fsdp_full_ac" in result["output"] and "a larger memory_budget_mb" in result["output"]
@@ -130,7 +130,7 @@ def test_a_callback_that_cannot_run_sharded_stops_when_the_plan_switches_to_fsdp
     budget = 0.99 * plan.row("ddp").total_mb / (1 - plan.margin)
     # OOMBackoff's setup saw a DDP strategy; the plan switched to FSDP after it, and fit start refuses
     result = run_script(
-        SCRIPT, "--out", tmp_path, "--strategy", "auto", "--budget", budget, "--oom-backoff", timeout=150
+        SCRIPT, "--out", tmp_path, "--strategy", "auto", "--budget", budget, "--oom-backoff", timeout=150, ranks=2
     )
     assert not result["hung"] and result["rc"] != 0
     assert result["output"].count("OOMBackoff does not run under FSDPStrategy") == 2
@@ -147,7 +147,7 @@ def test_a_run_the_plan_sharded_resumes_from_its_sharded_checkpoint(runs, tmp_pa
     assert max_difference(resumed["params"], runs("fsdp20", "--steps", 20)["params"]) <= 1e-6
     # a budget that keeps DDP cannot read the shards: every rank says so instead of training from scratch
     refused = run_script(SCRIPT, "--out", tmp_path / "refused", "--strategy", "auto", "--budget", 1000, "--resume",
-                         checkpoint, timeout=150)  # fmt: skip
+                         checkpoint, timeout=150, ranks=2)  # fmt: skip
     assert not refused["hung"] and refused["rc"] != 0
     assert refused["output"].count("is sharded (a folder of FSDP shards), but the memory plan chose DDP") == 2
 
