@@ -7,6 +7,7 @@ each one's throughput and its ratio to stock ``strategy="ddp"``.
 
     python benchmarks/ddp_throughput.py                 # 3 rounds of every configuration
     python benchmarks/ddp_throughput.py --rounds 5 --configs stock_ddp mgpu
+    python benchmarks/ddp_throughput.py --accumulate-grad-batches 2 --configs stock_ddp mgpu mgpu_oom_backoff
 
 Each measurement is a fresh ``python benchmarks/ddp_throughput.py --worker NAME``: Lightning re-runs that command
 line for rank 1, exactly as it does for a user's script.
@@ -88,9 +89,11 @@ def torch_worker(steps: int, warmup: int, batch_size: int) -> None:
         print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
-def worker(name: str, steps: int, warmup: int, batch_size: int) -> None:
+def worker(name: str, steps: int, warmup: int, batch_size: int, accumulate: int = 1) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if name == "torch":
+        if accumulate != 1:
+            raise SystemExit("the plain torch loop does not accumulate: leave --accumulate-grad-batches at 1")
         torch_worker(steps, warmup, batch_size)
         return
     import lightning.pytorch as pl
@@ -119,7 +122,8 @@ def worker(name: str, steps: int, warmup: int, batch_size: int) -> None:
         accelerator="cpu",
         devices=2,
         strategy=strategy,
-        max_steps=steps,
+        max_steps=steps // accumulate,  # optimizer steps: ``steps`` batches either way
+        accumulate_grad_batches=accumulate,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -152,6 +156,7 @@ def step_flag_carrier():
 
 def measure(name: str, args: argparse.Namespace) -> dict:
     worker_args = [name, "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-size", str(args.batch_size)]
+    worker_args += ["--accumulate-grad-batches", str(args.accumulate_grad_batches)]
     return run_worker(__file__, worker_args, RESULT_PREFIX)
 
 
@@ -163,17 +168,33 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument(
+        "--accumulate-grad-batches", type=int, default=1, help="batches per optimizer step (steps must be a multiple)"
+    )
     add_json_out(parser)
     args = parser.parse_args()
+    accumulate = args.accumulate_grad_batches
+    if accumulate < 1:
+        parser.error(f"--accumulate-grad-batches must be at least 1, got {accumulate}")
+    if accumulate > 1 and "torch" in args.configs:
+        if not args.worker:
+            print("leaving out 'torch': the plain torch loop does not accumulate")
+        args.configs = [c for c in args.configs if c != "torch"]
+    args.warmup = -(-args.warmup // accumulate) * accumulate  # timing starts at a window's first batch
+    if args.steps % args.accumulate_grad_batches:
+        parser.error(
+            f"--steps {args.steps} is not a multiple of --accumulate-grad-batches {args.accumulate_grad_batches}"
+        )
     if args.worker:
-        worker(args.worker, args.steps, args.warmup, args.batch_size)
+        worker(args.worker, args.steps, args.warmup, args.batch_size, args.accumulate_grad_batches)
         return
 
     configs = [BASELINE] + [c for c in args.configs if c != BASELINE]
     print(f"machine: {describe_machine()}")
     print(
-        f"model: MLP 1024-1024-1024-10, batch {args.batch_size}/process, 2 processes, {args.steps} steps, "
-        f"timed after step {args.warmup}, {args.rounds} alternating rounds"
+        f"model: MLP 1024-1024-1024-10, batch {args.batch_size}/process, 2 processes, {args.steps} batches "
+        f"({args.accumulate_grad_batches} per optimizer step), timed after batch {args.warmup}, "
+        f"{args.rounds} alternating rounds"
     )
     samples: dict[str, list[float]] = {c: [] for c in configs}
     ratios: dict[str, list[float]] = {c: [] for c in configs}

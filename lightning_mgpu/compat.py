@@ -630,6 +630,11 @@ def foreach_mul_(tensors: list[Tensor], scalar: Tensor | float) -> None:
     torch._foreach_mul_(tensors, scalar)
 
 
+def foreach_add_(targets: list[Tensor], sources: list[Tensor]) -> None:
+    """Add ``sources`` into ``targets`` in one multi-tensor kernel (torch's ``_foreach_add_``, 2.13)."""
+    torch._foreach_add_(targets, sources)
+
+
 def foreach_copy_(targets: list[Tensor], sources: list[Tensor]) -> None:
     """Copy ``sources`` into ``targets`` in one multi-tensor kernel (torch's ``_foreach_copy_``, 2.13)."""
     torch._foreach_copy_(targets, sources)

@@ -5,13 +5,19 @@ optimizer calls. An exception escaping it tears the trainer down, so the retry l
 epoch loop's ``automatic_optimization`` object is swapped for a subclass whose closure runs the batch as
 micro-batches and retries what ran out of memory.
 
-A batch that runs whole (no out-of-memory error yet, one batch per optimizer step) takes the **whole-batch path**:
-Lightning's own closure, with DDP's overlapped gradient all-reduce, and nothing held back but the ``self.log``
-calls. Under DDP the strategy carries a :class:`~lightning_mgpu.utilities.step_flag.StepFlag` in that all-reduce: a
-rank whose forward or backward runs out of memory finishes the step's reduction with zeros and a flag set
+A batch that runs whole (no out-of-memory error yet) takes the **whole-batch path**: Lightning's own closure, with
+DDP's overlapped gradient all-reduce, and nothing held back but the ``self.log`` calls. Under DDP the strategy
+carries a :class:`~lightning_mgpu.utilities.step_flag.StepFlag` in that all-reduce: a rank whose forward or backward
+runs out of memory finishes the step's reduction with zeros and a flag set
 (:meth:`~lightning_mgpu.utilities.step_flag.StepFlag.finish_failed_step`), so every rank learns of the failure from
 the gradients' own collective. No rank steps on that batch: each one undoes the attempt (normalization statistics,
 metric states, gradients) and the batch is run again on the **micro-batch path** below, starting from the agreement.
+
+In an ``accumulate_grad_batches`` window, the batches before the last run whole under ``no_sync()``, the window's
+gradients set aside meanwhile; a rank that fails there redoes the batch alone, in micro-batches (no collective is
+in flight), and raises the flag at the last batch. The last batch starts from empty gradients and its reduction adds
+the set-aside ones into its buckets (:attr:`~lightning_mgpu.utilities.step_flag.StepFlag.addends`), so that if it
+fails every rank goes back to them and only the last batch runs again.
 
 The micro-batch path, on every rank:
 
@@ -172,6 +178,9 @@ class MicroBatchTrainer:
         self.pending_failure: str | None = None
         self.pending_kind = OPTIMIZER_STEP_OOM  # what pending_failure is
         self.pending_error: BaseException | None = None  # an error that is not an OOM, raised again at the stop
+        # the micro-batch size this rank backed off to alone, earlier in the accumulation window under way: every rank
+        # hears of it at the window's last batch
+        self.window_size: int | None = None
         self.group: dist.ProcessGroup | None = None
         self.flag_device = torch.device("cpu")
         if self.world_size > 1:
@@ -199,19 +208,36 @@ class MicroBatchTrainer:
         reduce_now = self.ddp is not None and not accumulating
         size = self.policy.start_batch(total)
         first_failure: _LocalFailure | None = None
+        size_hint: int | None = None  # a size this rank backed off to alone, earlier in the window
+        notice_only = False  # whether that backoff is all this rank has to tell (its attempt at this batch was small)
+        if zero_grad_fn is not None:
+            self.window_size = None  # a new window (or none): nothing left from the last one
         # the path is chosen from the policy, which every rank holds alike (not from this rank's batch size)
         whole = self.policy.micro_batch_size is None
-        if whole and zero_grad_fn is not None and not accumulating and self._flag_carried():
-            zero_grad_fn()
-            result, first_failure = self._run_whole(loop, kwargs, total, backward_fn)
+        single = zero_grad_fn is not None and not accumulating  # the batch is the whole optimizer step
+        window = backward_fn is not None and self._window_on_whole_path()
+        if whole and (single or window) and self._flag_carried():
+            if zero_grad_fn is not None:
+                zero_grad_fn()
+            if accumulating:
+                return self._run_window_batch(loop, kwargs, total, splittable, backward_fn)
+            window_grads = None if single else _stash_grads(self._list_params())
+            result, first_failure = self._run_whole(loop, kwargs, total, backward_fn, window_grads)
             if result is not None:
                 self.whole_batches += 1
                 self._batch_succeeded(whole_everywhere=True)
                 return result
             # it failed on some rank: every rank runs the batch again from the agreement, in micro-batches
             pending: list[tuple[Any, int]] = []
+            if self.window_size is not None:
+                # this rank backed off alone earlier in the window and raised the flag for it: it proposes that size
+                size_hint, self.window_size = self.window_size, None
+                if first_failure is None:
+                    notice_only = True  # its own attempt at this batch was a slice that fits: the size is enough
+                    first_failure = _LocalFailure(RECOVERABLE_OOM, "ran out of memory earlier in the window")
             if self.ddp is not None:
-                self._broadcast_buffers(first_of_window=True)  # the statistics were put back to the step's start
+                # the statistics were put back to the step's start; in a window DDP broadcast them at its first batch
+                self._broadcast_buffers(first_of_window=single)
         else:
             self.params = self._trainable_params()
             if self.ddp is not None:
@@ -237,6 +263,11 @@ class MicroBatchTrainer:
             proposal = _NO_PROPOSAL
             if failure is not None and failure.kind == RECOVERABLE_OOM:
                 smaller = self.policy.smaller_size(size) if splittable else None
+                if size_hint is not None:  # the size that worked on this rank earlier in the window
+                    if not notice_only:  # its slice of that size failed too: smaller than that
+                        size_hint = self.policy.smaller_size(min(size_hint, size)) if splittable else None
+                    smaller = size_hint
+                    size_hint = None
                 if smaller is None:
                     failure.kind = OOM_AT_FLOOR
                 else:
@@ -290,6 +321,10 @@ class MicroBatchTrainer:
         """Listed per batch that needs them: layers a fine-tuning callback unfroze since are averaged too."""
         return [p for p in self.pl_module.parameters() if p.requires_grad]
 
+    def _list_params(self) -> list[Tensor]:
+        self.params = self._trainable_params()
+        return self.params
+
     def _batch_succeeded(self, whole_everywhere: bool = False) -> None:
         probed = self.policy.batch_succeeded(back_to_whole=whole_everywhere)
         if whole_everywhere:
@@ -305,15 +340,150 @@ class MicroBatchTrainer:
         registered = getattr(self.trainer.strategy, "step_flag_registered", False)
         return self.ddp is not None and isinstance(self.flag, StepFlag) and registered
 
+    def _window_on_whole_path(self) -> bool:
+        """Whether the batches of an accumulation window can run whole, its last one with DDP's reduction.
+
+        Each batch before the last runs under DDP's ``no_sync()``, so no collective is in flight: a failure there is
+        recovered on its rank alone, which tells the others at the window's last batch (through the flag). The last
+        batch starts from empty gradients, the earlier ones set aside: the flag's hook adds them into the buckets
+        it reduces, so a step that fails can go back to them on every rank. Not with synchronized BatchNorm (a rank
+        recovering alone would leave the others' BatchNorm collectives unmatched), gradients that are views of
+        DDP's buckets (the last batch's backward would write over those set aside), or parameters DDP ignores (not
+        in any bucket).
+        """
+        ddp = self.ddp
+        return (
+            self.world_size > 1
+            and ddp is not None
+            and not self.sync_bn
+            and not getattr(ddp, "gradient_as_bucket_view", False)
+            and not ddp.parameters_to_ignore
+        )
+
+    def _run_window_batch(
+        self, loop: "BackoffOptimization", kwargs: OrderedDict, total: int, splittable: bool, backward_fn: Any
+    ) -> ClosureResult:
+        """A batch of an accumulation window before its last, whole, under DDP's ``no_sync()``: no collective.
+
+        The window's gradients so far are set aside during the backward (a backward failing half-way has added
+        some of its gradients already) and added back after it. If the batch runs out of memory, this rank alone
+        runs it again in micro-batches; the others hear of it at the window's last batch. What cannot be recovered
+        is raised at once, on this rank.
+        """
+        params = self._list_params()
+        if self.window_size is not None:
+            return self._recover_in_window(loop, kwargs, total, splittable, backward_fn, None)
+        stashed = _stash_grads(params)
+        allocated_before = cuda_allocated_bytes()
+        self.rollback.save()
+        PASS_LEDGER.start_pass()
+        flag = self.flag
+        assert flag is not None and self.ddp is not None
+        flag.in_pass = False  # set once DDP's forward has run its own collectives and reached the module
+        logs: list[LogCall] = []
+        failure = None
+        try:
+            with capture_logs(self.pl_module, logs, total):  # held back: a failed attempt's calls are dropped
+                result, _ = _step_and_backward(loop, kwargs, backward_fn, 1.0)
+        except Exception as err:
+            failure = _LocalFailure.of(err)
+        if failure is None:
+            _merge_stashed_grads(self.params, stashed)
+            replay_logs(self.pl_module, logs, "training_step")
+            self.whole_batches += 1
+            return result
+        _unstash_grads(self.params, stashed)  # this batch's partial gradients go
+        self.rollback.restore()
+        if failure.kind != RECOVERABLE_OOM and failure.error is not None:
+            raise failure.error  # not an OOM (a CUDA context it may have broken included): this rank stops now
+        if not flag.in_pass:
+            # in DDP's forward, before the module ran: its buffer broadcast or bucket rebuild (collectives) may be
+            # unfinished here, so this rank cannot go on alone
+            raise OOMRecoveryError(
+                f"{self.owner}: rank {self.rank} ran out of memory in DDP's forward before the model's forward"
+                f" started, in an accumulation window, where the other ranks cannot be told: {failure.description}"
+            )
+        flag.in_pass = False
+        # DDP's forward broadcast the buffers before the failure, on every rank; left set by the failed forward, this
+        # would make the next forward broadcast them again on this rank alone
+        self.ddp.require_forward_param_sync = False
+        logs.clear()
+        release_memory(allocated_before)
+        return self._recover_in_window(loop, kwargs, total, splittable, backward_fn, failure)
+
+    def _recover_in_window(
+        self,
+        loop: "BackoffOptimization",
+        kwargs: OrderedDict,
+        total: int,
+        splittable: bool,
+        backward_fn: Any,
+        failure: _LocalFailure | None,
+    ) -> ClosureResult:
+        """Run a window batch in micro-batches on this rank alone, smaller after each out-of-memory error.
+
+        The size reached is kept for the window's later batches and proposed to the other ranks at its last one.
+        An OOM at the smallest size, or any other error, is raised at once on this rank: it cannot wait for the
+        window's last batch, since the others' batches may issue collectives meanwhile (``self.log`` with
+        ``sync_dist=True``) that it could not match. The others stop at their next collective: at once on gloo,
+        where the peer's socket closes, or through the strategy's hang watchdog or the process group's timeout.
+        """
+        done: list[_Piece] = []
+        size = self.window_size  # None: the whole batch was tried, and failed
+        while True:
+            if failure is not None:
+                if failure.kind != RECOVERABLE_OOM:
+                    if failure.error is not None:
+                        raise failure.error
+                    raise OOMRecoveryError(failure.description)
+                smaller = self.policy.smaller_size(size or total) if splittable else None
+                if smaller is None:
+                    raise OOMRecoveryError(
+                        self.reporter.floor_message(self.rank, size or total, total, failure.description)
+                    )
+                size = smaller
+            finished = sum(piece.samples for piece in done)
+            if finished == total:
+                break
+            pending = split_batch(slice_batch(kwargs["batch"], finished, total), size or total)
+            failure = self._train_pieces(loop, kwargs, pending, total, backward_fn, done)
+            if failure is None:
+                break
+        self.window_size = size
+        replay_logs(self.pl_module, [call for piece in done for call in piece.logs], "training_step")
+        return self._closure_result(done)
+
+    def _restore_unbucketed(self, flag: StepFlag) -> None:
+        """Add back the set-aside gradients the reduction did not take.
+
+        Those of parameters in no DDP bucket (unfrozen after the model was wrapped), which DDP leaves to each rank as
+        stock accumulation does, or all of them when no synchronised backward ran (a step without a loss).
+        """
+        left = flag.addends
+        if not left:
+            return
+        with torch.no_grad():
+            for param, kept in left.items():
+                param.grad = kept if param.grad is None else kept.add_(param.grad)
+
     @property
     def flag(self) -> StepFlag | None:
         """The flag the strategy carries in the gradient all-reduce, if it carries one."""
         return getattr(self.trainer.strategy, "step_flag", None)
 
     def _run_whole(
-        self, loop: "BackoffOptimization", kwargs: OrderedDict, total: int, backward_fn: Any
+        self,
+        loop: "BackoffOptimization",
+        kwargs: OrderedDict,
+        total: int,
+        backward_fn: Any,
+        window_grads: list[Tensor | None] | None = None,
     ) -> tuple[ClosureResult | None, _LocalFailure | None]:
         """Run the batch as Lightning would, DDP's reduction overlapped with the backward.
+
+        ``window_grads``: at the last batch of an accumulation window, the gradients of its earlier batches, set
+        aside (one per parameter in :attr:`params`): the flag's hook adds them into the buckets it reduces, and they
+        are put back if the step fails.
 
         Returns the closure's result, or ``None`` and this rank's failure (``None`` if another rank failed) when the
         batch must run again in micro-batches, on every rank.
@@ -321,25 +491,34 @@ class MicroBatchTrainer:
         ddp, flag = self.ddp, self.flag
         if flag is not None:
             flag.issued, flag.in_pass = 0, False  # set again once DDP's forward starts: what a failure reached
-        if ddp is not None and flag is not None and self.pending_failure is not None:
-            flag.set(0, 1)  # an optimizer step that failed earlier on this rank: stop everywhere, at this step
+        if ddp is not None and flag is not None and (self.pending_failure is not None or self.window_size is not None):
+            # an optimizer step that failed earlier on this rank, or a backoff of its own earlier in the window:
+            # every rank hears of it in this step's reduction
+            flag.set(0, 1)
         reductions = flag.reductions if flag is not None else 0
         grad_scale = 1.0
         checked = self._half_params_of() if self._half_params_of is not None else None
         if ddp is not None and ddp is not checked:  # checked again when bucket tuning wraps anew
             self._half_params_of = weakref.ref(ddp)
             self._half_params = any(p.dtype == torch.float16 for p in ddp.parameters())
-        if ddp is not None and flag is not None and not self._half_params:
+        if ddp is not None and flag is not None and not self._half_params and window_grads is None:
             # this backward's loss gradient is scaled, so the hook need not divide (any other backward through the
             # model, a learning-rate finder's say, keeps the hook's division); not for float16 parameters, whose
-            # gradients would underflow sooner divided first
+            # gradients would underflow sooner divided first, nor for a window's gradients set aside, not scaled
             flag.divide = False
             grad_scale = flag.loss_scale
+        if flag is not None and window_grads is not None:
+            flag.addends = {p: g for p, g in zip(self.params, window_grads, strict=True) if g is not None}
+        if self.window_size is not None:
+            # this rank backed off alone earlier in the window, and raises the flag: every rank drops this attempt,
+            # so it runs only a slice that fits, to take part in the step's collectives
+            kwargs = OrderedDict(kwargs)
+            kwargs["batch"] = slice_batch(kwargs["batch"], 0, min(self.window_size, total))
         try:
-            return self._run_whole_scaled(loop, kwargs, total, backward_fn, reductions, grad_scale)
+            return self._run_whole_scaled(loop, kwargs, total, backward_fn, reductions, grad_scale, window_grads)
         finally:
             if flag is not None:
-                flag.divide = True
+                flag.divide, flag.addends = True, None
 
     def _run_whole_scaled(
         self,
@@ -349,6 +528,7 @@ class MicroBatchTrainer:
         backward_fn: Any,
         reductions: int,
         grad_scale: float,
+        window_grads: list[Tensor | None] | None,
     ) -> tuple[ClosureResult | None, _LocalFailure | None]:
         ddp, flag = self.ddp, self.flag
         self.rollback.save()  # a few small copies (normalization statistics, metric states) a failure would need
@@ -367,9 +547,19 @@ class MicroBatchTrainer:
             others = self.world_size > 1 and ddp is not None and flag is not None
             failed_elsewhere = others and _raised(flag, reductions)
             if not failed_elsewhere:
+                if self.window_size is not None:
+                    # the slice run to raise the flag ran no synchronised backward (its step returned no loss): the
+                    # flag did not go out, and this rank cannot finish the batch the others reduced
+                    raise OOMRecoveryError(
+                        f"{self.owner}: rank {self.rank} backed off alone earlier in an accumulation window, and its"
+                        " training_step returned no loss at the window's last batch, so the other ranks cannot be told."
+                    )
+                if window_grads is not None:
+                    self._restore_unbucketed(flag)
                 replay_logs(self.pl_module, logs, "training_step")
                 return result, None  # Lightning's own: its loss copied once, as without the callback
-        self.params = self._trainable_params()  # listed only for a step that failed: the undo needs them
+        if window_grads is None:
+            self.params = self._trainable_params()  # listed only for a step that failed: the undo needs them
         if failure is not None:
             # after the step's reduction finished (in an on_after_backward hook, say): the gradients are every
             # rank's average, and the others read the flag
@@ -397,6 +587,8 @@ class MicroBatchTrainer:
                 # 200 ms) only if CUDA still holds more than before the attempt
                 release_memory(allocated_before)
             if stepping:
+                if window_grads is not None:
+                    self._restore_unbucketed(flag)
                 self.pending_kind, self.pending_error = AFTER_BACKWARD_FAILURE, failure.error
                 self.pending_failure = (
                     f"{self.owner}: rank {self.rank} failed after its gradients were reduced, in a hook after"
@@ -417,10 +609,10 @@ class MicroBatchTrainer:
                         f"{self.owner}: rank {self.rank} ran out of memory before the model's forward started, where"
                         f" the other ranks cannot be told within the step: {failure.description}"
                     )
-        # the step failed on some rank: no rank steps on it. Undo what the attempt changed, on every rank
+        # the step failed on some rank: no rank steps on it. Undo what the attempt changed, on every rank (in a
+        # window, its earlier batches' gradients come back)
         self.rollback.restore()
-        for param in self.params:
-            param.grad = None
+        _unstash_grads(self.params, window_grads)
         return None, failure
 
     def _finish_failed_step(

@@ -54,8 +54,14 @@ class OOMBackoff(Callback):
     finishes the step's all-reduce with zeros and the flag set (with synchronized BatchNorm, after issuing the
     layers' remaining collectives from a one-sample replay of ``training_step``); no rank steps, every rank undoes
     the attempt and runs the batch again in micro-batches. On a GPU the flag is read once per step after the
-    backward (a synchronisation). Micro-batches run under DDP's ``no_sync()``; the ranks then agree through one
-    small all-reduce on the host (a gloo side group under NCCL) and the gradients are averaged once, in buckets.
+    backward (a synchronisation). The batches of an ``accumulate_grad_batches`` window run whole too (under DDP,
+    without synchronized BatchNorm, ``gradient_as_bucket_view`` or ignored parameters): those before the last under
+    ``no_sync()``, a rank that fails there redoing the batch in micro-batches on its own (no collective is in
+    flight) and raising the flag at the window's last batch; the last batch with DDP's overlapped all-reduce, the
+    earlier batches' gradients set aside and added into the buckets by the flag's hook, so that after a failure
+    every rank goes back to them and redoes only the last batch. Micro-batches run under DDP's ``no_sync()``; the
+    ranks then agree through one small all-reduce on the host (a gloo side group under NCCL) and the gradients are
+    averaged once, in buckets.
     Every rank adopts the same smaller micro-batch. A rank whose own attempt succeeded keeps it (with synchronized
     BatchNorm every rank starts the batch over, so that all run the same micro-batches). Where the flag cannot ride
     (PowerSGD, a Lightning ``ddp_comm_hook``, ``find_unused_parameters``, ``static_graph``) every batch takes the
@@ -71,13 +77,16 @@ class OOMBackoff(Callback):
     that failed follows the others' control flow exactly, so their collectives keep matching (an error in a hook
     after the backward, once every gradient bucket was sent, is handled the same way). An error that is not an OOM
     is re-raised on its rank and the other ranks stop with :class:`OOMRecoveryError`, instead of waiting out the
-    collective timeout. Two cases end with the other ranks stopped by the strategy's hang watchdog (or the process
-    group's timeout) instead: an error before DDP's forward started, and, with synchronized BatchNorm, an error
-    that its one-sample replay of ``training_step`` raises again.
+    collective timeout. Three cases end with the other ranks stopped at their next collective (at once on gloo,
+    through the strategy's hang watchdog or the process group's timeout on NCCL) instead: an error before DDP's
+    forward started; with synchronized BatchNorm, an error that its one-sample replay of ``training_step`` raises
+    again; and an error, or an OOM at ``min_micro_batch_size``, in an accumulation window's batch before its last
+    on the whole-batch path.
 
     **Memory:** while a batch accumulates over several micro-batches (and on the later batches of an
-    ``accumulate_grad_batches`` window) the gradients gathered so far are set aside during each backward, so that
-    a backward that fails half-way can be undone: gradient memory is twice the parameters' for that time (three
+    ``accumulate_grad_batches`` window, whole or not) the gradients gathered so far are set aside during each
+    backward, so that a backward that fails half-way can be undone: gradient memory is twice the parameters' for
+    that time (three
     times on the later batches of a window with synchronized BatchNorm, whose batch's own gradients are kept apart
     too, so every rank can start the batch over).
 

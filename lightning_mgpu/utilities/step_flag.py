@@ -55,6 +55,13 @@ class StepFlag:
     every slot: a device tensor of its own (the next step does not overwrite it), in the dtype the bucket travelled
     in, that nothing here reads on the host. :meth:`raised` says whether any rank contributed anything.
 
+    **Gradients set aside** (:attr:`addends`, a dict from parameter to gradient): each bucket is sent with those
+    parameters' entries added in (and taken out of the dict: what is left belongs to no bucket), so the reduction
+    averages them with the backward's own gradients, and the tensors set aside stay as they were. An accumulation
+    window's last batch can then start from empty gradients and still reduce the whole window's, overlapped with
+    its backward as DDP's own accumulation would be; if the step fails, every rank has its earlier batches'
+    gradients to go back to. Not while a failed step is finished (:meth:`finish_failed_step` sends zeros).
+
     **In place** (``in_place=True``, for the ``"mean"`` hook): the last bucket is reduced where it is, with no longer
     message and no copy. The ranks then agree on one bit instead of sums: a rank that contributes anything makes the
     first element of its last bucket infinite (its gradients are not meant to be used), so the reduced element is
@@ -102,6 +109,9 @@ class StepFlag:
         self._contributed = False  # whether this rank raised the bit in the last reduction
         self._confirmed: bool | None = None  # the ranks' answer, once asked, for a non-finite bit
         self.hook_name: str | None = None  # the flagged hook registered last
+        # gradients of an accumulation window's earlier batches, set aside by parameter while its last batch runs:
+        # the hook adds each into its bucket before the reduction (see :attr:`addends`)
+        self.addends: dict[Tensor, Tensor] | None = None
         self._averaged_over: int | None = None  # of the process group, read once it is registered
 
     def _forward_started(self, module: Any, args: Any) -> None:
@@ -283,6 +293,8 @@ def flagged_hook(name: FlaggedHookName) -> Callable[[StepFlag, dist.GradBucket],
                 done.set_result(buffer)
                 return done
             buffer.zero_()
+        elif flag.addends is not None:
+            _add_set_aside(bucket, flag.addends)
         divide = flag.divide or wire is not None  # the compress hooks divide after the cast, as torch's do
         in_place = wire is None and (not last or flag.in_place)
         if in_place:
@@ -324,6 +336,38 @@ def flagged_hook(name: FlaggedHookName) -> Callable[[StepFlag, dist.GradBucket],
         return future.then(unpack)
 
     return hook
+
+
+def _add_set_aside(bucket: dist.GradBucket, addends: dict[Tensor, Tensor]) -> None:
+    """Add the gradients set aside for the bucket's parameters into its buffer, in one multi-tensor kernel.
+
+    Each entry is taken out of ``addends``: what is left after the backward belongs to no bucket. ``bucket.gradients()``
+    are contiguous views of the buffer, in the order of ``bucket.parameters()``; DDP lays out the gradient of a
+    parameter that is dense but not contiguous (``channels_last``) in the parameter's own strides, so the view
+    is taken with those (the strides DDP saw when it laid out its buckets: a parameter whose memory format changed
+    after the model was wrapped would be added in the wrong order).
+    """
+    views, earlier = [], []
+    for view, param in zip(bucket.gradients(), bucket.parameters(), strict=True):
+        kept = addends.pop(param, None)
+        if kept is None:
+            continue
+        if not param.is_contiguous() and _dense(param):
+            view = view.as_strided(param.size(), param.stride())
+        views.append(view)
+        earlier.append(kept)
+    if views:
+        compat.foreach_add_(views, earlier)
+
+
+def _dense(tensor: Tensor) -> bool:
+    """Whether ``tensor``'s elements fill its memory without gaps or overlaps, in some order of its dimensions."""
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(tensor.stride(), tensor.size(), strict=True) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _write_contributions(slots: Tensor, values: list[int]) -> None:

@@ -20,13 +20,17 @@ def run_fit(out: Path, *args: object, timeout: float = 150) -> tuple[dict, list[
     return result, load_rank_dumps(out)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> list[dict]:
-    """Stock Lightning, no callback: micro-batches of 4 with gradient accumulation from the start."""
-    out = tmp_path_factory.mktemp("reference")
-    result, dumps = run_fit(out, "--inject", "none", "--batch-size", 4, "--accumulate", 2, "--no-backoff")
+def stock_micro_batches(out: Path, accumulate: int) -> list[dict]:
+    """Stock Lightning, no callback: batches of 4 accumulated over ``accumulate``, from the start."""
+    result, dumps = run_fit(out, "--inject", "none", "--batch-size", 4, "--accumulate", accumulate, "--no-backoff")
     assert result["rc"] == 0, result["output"][-3000:]
     return dumps
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[dict]:
+    """What batches of 8 that back off to micro-batches of 4 must train as."""
+    return stock_micro_batches(tmp_path_factory.mktemp("reference"), accumulate=2)
 
 
 def assert_params_close(a: dict, b: dict, atol: float) -> None:
@@ -240,3 +244,87 @@ def test_an_oom_after_the_reduction_while_another_rank_failed_before_it_is_recov
     every_index_once_per_epoch(dumps)
     assert_params_close(dumps[0]["params"], dumps[1]["params"], atol=0)
     assert_params_close(dumps[0]["params"], reference[0]["params"], atol=1e-5)
+
+
+# --------------------------------------------------------------------------------- accumulation windows of 2 batches
+@pytest.fixture(scope="module")
+def window_reference(tmp_path_factory) -> list[dict]:
+    """What windows of 2 batches of 8 that back off to micro-batches of 4 must train as."""
+    return stock_micro_batches(tmp_path_factory.mktemp("window_reference"), accumulate=4)
+
+
+@pytest.mark.distributed
+def test_in_an_accumulation_window_with_no_oom_every_batch_runs_whole_as_ddp_alone(tmp_path):
+    # the window's first batch under no_sync, its last with DDP's overlapped reduction carrying the flag (the first
+    # batch's gradients added into the buckets): the collectives of mgpu alone, and its parameters bit for bit
+    runs = {}
+    for name, extra in (("backoff", ()), ("alone", ("--no-backoff",))):
+        result, dumps = run_fit(tmp_path / name, "--inject", "none", "--accumulate", 2, "--profile-step", 1, *extra)
+        assert result["rc"] == 0, result["output"][-3000:]
+        runs[name] = dumps
+    for rank in range(2):
+        alone, backoff = runs["alone"][rank], runs["backoff"][rank]
+        assert alone["collectives"].get("gloo:all_reduce", 0) >= 1
+        assert backoff["collectives"] == alone["collectives"], rank
+        assert backoff["whole_batches"] == 4  # 2 epochs of one window of 2 batches
+        assert_params_close(backoff["params"], alone["params"], atol=0)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("where", "ranks", "batches", "whole"),
+    [
+        # the window's first batch fails on rank 1: it recovers alone, and raises the flag at the last batch
+        ("forward", 1, ("--oom-batches", 0), [1, 0]),
+        ("backward", 1, ("--oom-batches", 0), [1, 0]),  # the head's gradients were added before it failed
+        # the last batch fails: every rank goes back to the first batch's gradients and redoes the last
+        ("backward", 1, ("--oom-from-batch", 1), [1, 1]),
+        # both batches on both ranks
+        ("backward", -1, ("--oom-from-batch", 0), [0, 0]),
+    ],
+)
+def test_an_oom_in_an_accumulation_window_is_recovered_on_both(
+    tmp_path, window_reference, where, ranks, batches, whole
+):
+    result, dumps = run_fit(tmp_path, "--inject", where, "--rank", ranks, *batches, "--accumulate", 2)
+    assert result["rc"] == 0, result["output"][-3000:]
+    assert "rank 1 ran out of memory at micro-batch size 8" in result["output"]
+    assert [d["exception"] for d in dumps] == [None, None]
+    assert [d["micro_batch_size"] for d in dumps] == [4, 4]
+    assert [d["recoveries"] for d in dumps] == [1, 1]
+    assert [d["whole_batches"] for d in dumps] == whole
+    assert_params_close(dumps[0]["params"], dumps[1]["params"], atol=0)
+    assert_params_close(dumps[0]["params"], window_reference[0]["params"], atol=1e-5)
+    every_index_once_per_epoch(dumps)
+
+
+@pytest.mark.distributed
+def test_a_forward_oom_early_in_a_window_with_buffers_does_not_broadcast_them_again(tmp_path):
+    # a BatchNorm per process: DDP broadcasts its statistics in the window's first forward. Rank 1's forward fails
+    # after that broadcast; its recovery must not broadcast them again on its own (a collective rank 0 never issues)
+    result, dumps = run_fit(
+        tmp_path, "--batchnorm", "--inject", "forward", "--rank", 1, "--oom-batches", 0, "--accumulate", 2, timeout=120
+    )
+    assert result["rc"] == 0, result["output"][-3000:]
+    assert [d["exception"] for d in dumps] == [None, None]
+    assert [d["recoveries"] for d in dumps] == [1, 1]
+    assert [d["whole_batches"] for d in dumps] == [1, 0]
+    # the parameters (not the statistics, which each process keeps between broadcasts) are identical
+    weights = [k for k in dumps[0]["params"] if not k.startswith("norm.running") and "num_batches" not in k]
+    assert_params_close(*({k: dump["params"][k] for k in weights} for dump in dumps), atol=0)
+    every_index_once_per_epoch(dumps)
+
+
+@pytest.mark.distributed
+def test_an_oom_at_the_floor_early_in_a_window_is_raised_at_once_and_the_other_rank_stops(tmp_path):
+    # rank 1 cannot go below 8 samples in the window's first batch. It raises at once: waiting for the window's last
+    # batch would leave rank 0's synchronised self.log (a collective in every batch) unmatched. Rank 0 stops at that
+    # collective (gloo: the peer's socket closed); no step was taken
+    args = ("--model", "synced-log", "--inject", "forward", "--oom-batches", 0, "--accumulate", 2)
+    result, dumps = run_fit(tmp_path, *args, "--min-micro-batch-size", 8, timeout=120)
+    assert result["rc"] != 0
+    assert result["seconds"] < 60
+    assert dumps[1]["exception"]["type"] == "OOMRecoveryError"
+    assert "min_micro_batch_size=8 allows no smaller one" in dumps[1]["exception"]["message"]
+    assert "Connection closed by peer" in dumps[0]["exception"]["message"]
+    assert [d["global_step"] for d in dumps] == [0, 0]

@@ -2,6 +2,7 @@
 ``torch.cuda.set_per_process_memory_fraction`` so that a full batch does not fit and half of it does."""
 
 import gc
+from pathlib import Path
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -9,6 +10,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import MultiGPUStrategy, OOMBackoff
+from tests.helpers.models import load_rank_dumps
+from tests.helpers.processes import run_script
 from tests.helpers.runif import run_if
 from tests.helpers.trainer import QUIET
 
@@ -129,3 +132,32 @@ def test_a_real_cuda_oom_under_a_ddp_wrap_is_finished_and_recovered(tmp_path):
     assert backoff.recoveries >= 1
     assert backoff.micro_batch_size is not None and backoff.micro_batch_size < BATCH
     assert trainer.global_step == 4
+
+
+@run_if(min_cuda_gpus=2)
+def test_two_gpu_accumulation_windows_run_whole_and_recover_an_oom_on_one_rank(tmp_path):
+    # NCCL: the window's last batch adds the first batch's gradients into DDP's buckets on the GPU; with no OOM the
+    # parameters equal mgpu alone's, and an OOM on rank 1 in either batch of the window is recovered on both ranks
+    script = Path(__file__).parents[1] / "helpers" / "oom_fit.py"
+    runs = {}
+    cases = {
+        "alone": ("--inject", "none", "--no-backoff"),
+        "none": ("--inject", "none"),
+        "first": ("--inject", "backward", "--oom-batches", 0),
+        "last": ("--inject", "backward", "--oom-from-batch", 1),
+        "reference": ("--inject", "none", "--no-backoff", "--batch-size", 4, "--accumulate", 4),
+    }
+    for name, extra in cases.items():
+        out = tmp_path / name
+        accumulate = () if name == "reference" else ("--accumulate", 2)
+        result = run_script(script, "--out", out, "--accelerator", "cuda", *accumulate, *extra, timeout=300, ranks=2)
+        assert not result["hung"] and result["rc"] == 0, result["output"][-4000:]
+        runs[name] = load_rank_dumps(out)
+    assert [d["whole_batches"] for d in runs["none"]] == [4, 4]
+    for name in ("first", "last"):
+        assert [d["recoveries"] for d in runs[name]] == [1, 1], name
+        for key, value in runs[name][0]["params"].items():
+            assert torch.equal(value, runs[name][1]["params"][key]), (name, key)
+            torch.testing.assert_close(value, runs["reference"][0]["params"][key], atol=1e-5, rtol=0)
+    for key, value in runs["none"][0]["params"].items():
+        torch.testing.assert_close(value, runs["alone"][0]["params"][key], atol=1e-6, rtol=0)

@@ -50,6 +50,15 @@ class Branchy(IndexedRegression):
         return loss
 
 
+class SyncedLog(IndexedRegression):
+    """Logs a value synchronised across the ranks at every step: a collective of ``self.log``'s own, in every batch."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("synced_loss", loss, sync_dist=True)
+        return loss
+
+
 class FailsAfterBackward(IndexedRegression):
     """Rank 1 runs out of memory in ``on_after_backward`` at step 1, once every gradient bucket was reduced (once:
     a redo of the step does not fail there again).
@@ -124,14 +133,20 @@ def main() -> None:
     parser.add_argument("--inject", choices=["none", "forward", "backward", "step"], default="forward")
     parser.add_argument("--rank", type=int, default=1, help="the rank that runs out of memory; -1 for every rank")
     parser.add_argument("--oom-from-batch", type=int, default=0, help="inject from this batch of each epoch on")
+    parser.add_argument("--oom-batches", type=int, nargs="+", help="inject at these batches of each epoch only")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--no-backoff", action="store_true")
+    parser.add_argument("--min-micro-batch-size", type=int, default=1)
+    parser.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL, one GPU per rank")
     parser.add_argument("--step-oom-at", type=int, default=3)
     parser.add_argument("--max-steps", type=int, default=-1)
     parser.add_argument("--sync-bn", action="store_true", help="a BatchNorm layer, synchronised across the ranks")
+    parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm layer per process (DDP broadcasts it)")
     parser.add_argument("--find-unused", action="store_true", help="DDP's find_unused_parameters")
-    parser.add_argument("--model", choices=["plain", "uneven", "branchy", "after-backward"], default="plain")
+    parser.add_argument(
+        "--model", choices=["plain", "uneven", "branchy", "after-backward", "synced-log"], default="plain"
+    )
     parser.add_argument("--profile-step", type=int, help="count the gloo collectives of this optimizer step")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -140,6 +155,7 @@ def main() -> None:
         "uneven": UnevenRanks,
         "branchy": Branchy,
         "after-backward": FailsAfterBackward,
+        "synced-log": SyncedLog,
     }[args.model]
     model = model_class(
         num_samples=32,
@@ -148,13 +164,14 @@ def main() -> None:
         oom_in=args.inject if args.inject in ("forward", "backward") else "forward",
         oom_ranks=None if args.rank < 0 else (args.rank,),
         oom_from_batch=args.oom_from_batch,
-        batchnorm=args.sync_bn,
+        oom_batches=tuple(args.oom_batches) if args.oom_batches else None,
+        batchnorm=args.sync_bn or args.batchnorm,
         step_oom_at=args.step_oom_at if args.inject == "step" else None,
     )
-    backoff = None if args.no_backoff else OOMBackoff()
+    backoff = None if args.no_backoff else OOMBackoff(min_micro_batch_size=args.min_micro_batch_size)
     callbacks = [SaveRankState(args.out, backoff, args.profile_step)] + ([backoff] if backoff else [])
     trainer = Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=2,
         strategy=MultiGPUStrategy(mode="ddp", sync_batchnorm=args.sync_bn, find_unused_parameters=args.find_unused),
         max_epochs=2,

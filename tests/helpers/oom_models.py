@@ -82,6 +82,7 @@ class IndexedRegression(pl.LightningModule):
     oom_ranks: the global ranks that run out of memory (``None``: every rank).
     oom_until_step: stop injecting from this global step on (``None``: always).
     oom_from_batch: inject only from this batch index of each epoch on.
+    oom_batches: inject only at these batch indices of each epoch (``None``: every one from ``oom_from_batch`` on).
     eval_oom_above: a validation / predict batch larger than this runs out of memory.
     step_oom_at: the optimizer step call (1-based) that runs out of memory, on ``oom_ranks``.
     """
@@ -95,6 +96,7 @@ class IndexedRegression(pl.LightningModule):
         oom_ranks: tuple[int, ...] | None = None,
         oom_until_step: int | None = None,
         oom_from_batch: int = 0,
+        oom_batches: tuple[int, ...] | None = None,
         eval_oom_above: int | None = None,
         step_oom_at: int | None = None,
         batchnorm: bool = False,
@@ -104,7 +106,7 @@ class IndexedRegression(pl.LightningModule):
         super().__init__()
         self.num_samples, self.batch_size = num_samples, batch_size
         self.oom_above, self.oom_in, self.oom_ranks, self.oom_until_step = oom_above, oom_in, oom_ranks, oom_until_step
-        self.oom_from_batch = oom_from_batch
+        self.oom_from_batch, self.oom_batches = oom_from_batch, oom_batches
         self.eval_oom_above, self.step_oom_at = eval_oom_above, step_oom_at
         self.lr, self.momentum = lr, momentum
         torch.manual_seed(7)
@@ -122,7 +124,7 @@ class IndexedRegression(pl.LightningModule):
     def _injects(self, samples: int, batch_idx: int) -> bool:
         if self.oom_above is None or samples <= self.oom_above or not self._rank_injects():
             return False
-        if batch_idx < self.oom_from_batch:
+        if batch_idx < self.oom_from_batch or (self.oom_batches is not None and batch_idx not in self.oom_batches):
             return False
         return self.oom_until_step is None or self.trainer.global_step < self.oom_until_step
 

@@ -1,6 +1,7 @@
 """The flag-carrying DDP hooks: DDP's own gradients, the ranks' numbers summed, and no collective more."""
 
 import contextlib
+import copy
 import math
 from collections import Counter
 from typing import Any
@@ -474,3 +475,51 @@ def test_with_three_ranks_the_gradients_equal_ddps_within_rounding():
             for reference, ours in results[in_place]["grads"]:
                 for theirs, mine in zip(reference, ours, strict=True):
                     torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7)
+
+
+def _set_aside_ranks(rank: int, world_size: int) -> list[dict]:
+    """Windows of 2 batches: stock DDP accumulating in place, against the last batch started from empty gradients
+    with the first batch's set aside and added in by the hook. A channels_last convolution (DDP lays its gradient
+    out in the weight's own strides) and a layer unfrozen after DDP wrapped the model (in no bucket)."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(64, 5), nn.Tanh(), nn.Linear(5, 2))
+    module = module.to(memory_format=torch.channels_last)
+    module[4].requires_grad_(False)
+    reference = DistributedDataParallel(copy.deepcopy(module), bucket_cap_mb=TINY_BUCKETS_MB)
+    ours = DistributedDataParallel(copy.deepcopy(module), bucket_cap_mb=TINY_BUCKETS_MB)
+    for model in (reference, ours):
+        model.module[4].requires_grad_(True)
+    flag = StepFlag(slots=1, process_group=ours.process_group, in_place=True)
+    register_flagged_hook(ours, flag, "mean")
+    found = []
+    for window in range(3):
+        generator = torch.Generator().manual_seed(10 * window + rank)
+        batches = [(torch.randn(4, 3, 6, 6, generator=generator), torch.randn(4, 2, generator=generator)) for _ in "ab"]
+        for model in (reference, ours):
+            for param in model.parameters():
+                param.grad = None
+            with model.no_sync():
+                nn.functional.mse_loss(model(batches[0][0]), batches[0][1]).backward()
+        params = list(ours.parameters())
+        kept = [param.grad for param in params]
+        for param in params:
+            param.grad = None
+        flag.addends = {param: grad for param, grad in zip(params, kept, strict=True)}
+        nn.functional.mse_loss(reference(batches[1][0]), batches[1][1]).backward()
+        nn.functional.mse_loss(ours(batches[1][0]), batches[1][1]).backward()
+        left = [index for index, param in enumerate(params) if param in flag.addends]
+        for param, grad in flag.addends.items():  # what the caller adds back itself (OOMBackoff's window path)
+            param.grad.add_(grad)
+        flag.addends = None
+        found.append({"left": left, "reference": _grads(reference), "ours": _grads(ours), "kept": kept[0].stride()})
+    return found
+
+
+@pytest.mark.distributed
+def test_set_aside_gradients_added_in_the_hook_give_ddps_accumulation_bit_for_bit():
+    for results in run_processes(_set_aside_ranks, 2):
+        for window in results:
+            assert window["kept"] == (27, 1, 9, 3)  # the convolution's gradient is channels_last
+            assert window["left"] == [4, 5]  # the layer unfrozen after wrapping is in no bucket: left to the caller
+            for theirs, mine in zip(window["reference"], window["ours"], strict=True):
+                assert torch.equal(mine, theirs)
