@@ -8,6 +8,8 @@ each one's throughput and its ratio to stock ``strategy="ddp"``.
     python benchmarks/ddp_throughput.py                 # 3 rounds of every configuration
     python benchmarks/ddp_throughput.py --rounds 5 --configs stock_ddp mgpu
     python benchmarks/ddp_throughput.py --accumulate-grad-batches 2 --configs stock_ddp mgpu mgpu_oom_backoff
+    python benchmarks/ddp_throughput.py --gradient-as-bucket-view --accumulate-grad-batches 2 \
+        --configs stock_ddp mgpu mgpu_oom_backoff
 
 Each measurement is a fresh ``python benchmarks/ddp_throughput.py --worker NAME``: Lightning re-runs that command
 line for rank 1, exactly as it does for a user's script.
@@ -89,7 +91,7 @@ def torch_worker(steps: int, warmup: int, batch_size: int) -> None:
         print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
-def worker(name: str, steps: int, warmup: int, batch_size: int, accumulate: int = 1) -> None:
+def worker(name: str, steps: int, warmup: int, batch_size: int, accumulate: int = 1, bucket_view: bool = False) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if name == "torch":
         if accumulate != 1:
@@ -113,6 +115,10 @@ def worker(name: str, steps: int, warmup: int, batch_size: int, accumulate: int 
         )
     if name == "mgpu_no_hang_watch":
         strategy = lightning_mgpu.MultiGPUStrategy(hang_timeout=None)
+    if bucket_view and strategy == "ddp":
+        strategy = pl.strategies.DDPStrategy(gradient_as_bucket_view=True)
+    elif bucket_view and strategy == "mgpu":
+        strategy = lightning_mgpu.MultiGPUStrategy(gradient_as_bucket_view=True)
     callbacks = [clock]
     if name == "mgpu_oom_backoff":
         callbacks.append(lightning_mgpu.OOMBackoff())
@@ -157,6 +163,8 @@ def step_flag_carrier():
 def measure(name: str, args: argparse.Namespace) -> dict:
     worker_args = [name, "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-size", str(args.batch_size)]
     worker_args += ["--accumulate-grad-batches", str(args.accumulate_grad_batches)]
+    if args.gradient_as_bucket_view:
+        worker_args.append("--gradient-as-bucket-view")
     return run_worker(__file__, worker_args, RESULT_PREFIX)
 
 
@@ -170,6 +178,11 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument(
         "--accumulate-grad-batches", type=int, default=1, help="batches per optimizer step (steps must be a multiple)"
+    )
+    parser.add_argument(
+        "--gradient-as-bucket-view",
+        action="store_true",
+        help="gradients as views of DDP's buckets, for stock_ddp and the configurations built on mgpu",
     )
     add_json_out(parser)
     args = parser.parse_args()
@@ -186,7 +199,14 @@ def main() -> None:
             f"--steps {args.steps} is not a multiple of --accumulate-grad-batches {args.accumulate_grad_batches}"
         )
     if args.worker:
-        worker(args.worker, args.steps, args.warmup, args.batch_size, args.accumulate_grad_batches)
+        worker(
+            args.worker,
+            args.steps,
+            args.warmup,
+            args.batch_size,
+            args.accumulate_grad_batches,
+            args.gradient_as_bucket_view,
+        )
         return
 
     configs = [BASELINE] + [c for c in args.configs if c != BASELINE]
@@ -194,6 +214,7 @@ def main() -> None:
     print(
         f"model: MLP 1024-1024-1024-10, batch {args.batch_size}/process, 2 processes, {args.steps} batches "
         f"({args.accumulate_grad_batches} per optimizer step), timed after batch {args.warmup}, "
+        f"{'gradients as bucket views, ' if args.gradient_as_bucket_view else ''}"
         f"{args.rounds} alternating rounds"
     )
     samples: dict[str, list[float]] = {c: [] for c in configs}

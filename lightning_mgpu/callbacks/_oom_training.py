@@ -222,6 +222,9 @@ class MicroBatchTrainer:
             if accumulating:
                 return self._run_window_batch(loop, kwargs, total, splittable, backward_fn)
             window_grads = None if single else _stash_grads(self._list_params())
+            if window_grads is not None and getattr(self.ddp, "gradient_as_bucket_view", False):
+                assert self.flag is not None
+                window_grads = self.flag.out_of_buckets(window_grads)  # kept views of DDP's buckets: copies
             result, first_failure = self._run_whole(loop, kwargs, total, backward_fn, window_grads)
             if result is not None:
                 self.whole_batches += 1
@@ -305,9 +308,10 @@ class MicroBatchTrainer:
         logs = [call for piece in done for call in piece.logs]
         replay_logs(self.pl_module, logs, "training_step")
         if reduce_now:
+            params, has_grad = self._reduced_by_ddp(agreed["has_grad"])
             average_gradients(
-                self.params,
-                agreed["has_grad"],
+                params,
+                has_grad,
                 self.world_size,
                 group=self.ddp.process_group,
                 bucket_bytes=getattr(self.ddp, "bucket_bytes_cap", DEFAULT_BUCKET_BYTES),
@@ -318,8 +322,28 @@ class MicroBatchTrainer:
         return self._closure_result(done)
 
     def _trainable_params(self) -> list[Tensor]:
-        """Listed per batch that needs them: layers a fine-tuning callback unfroze since are averaged too."""
+        """Listed per batch that needs them: layers a fine-tuning callback unfroze since are accumulated too."""
         return [p for p in self.pl_module.parameters() if p.requires_grad]
+
+    def _reduced_by_ddp(self, has_grad: list[bool]) -> tuple[list[Tensor], list[bool]]:
+        """The parameters DDP averages, with their ``has_grad`` flags: those in its buckets.
+
+        Not one DDP ignores, nor one frozen when DDP wrapped the model and unfrozen since: stock DDP leaves each rank
+        its own, and so does the whole-batch path. The flag's hook knows the buckets once it has reduced them; where
+        it does not (no flag carried), only the parameters DDP ignores are left out.
+        """
+        ddp, flag = self.ddp, self.flag
+        assert ddp is not None
+        bucketed = flag.bucketed_param_ids() if flag is not None and self._flag_carried() else None
+        if bucketed is None:
+            ignored = ddp.parameters_to_ignore
+            if not ignored:
+                return self.params, has_grad
+            # a parameter DDP reduces under any of its names (a tied one) is reduced
+            names = ddp.module.named_parameters(remove_duplicate=False)
+            bucketed = {id(param) for name, param in names if name not in ignored}
+        kept = [(param, needed) for param, needed in zip(self.params, has_grad, strict=True) if id(param) in bucketed]
+        return [param for param, _ in kept], [needed for _, needed in kept]
 
     def _list_params(self) -> list[Tensor]:
         self.params = self._trainable_params()
@@ -346,19 +370,12 @@ class MicroBatchTrainer:
         Each batch before the last runs under DDP's ``no_sync()``, so no collective is in flight: a failure there is
         recovered on its rank alone, which tells the others at the window's last batch (through the flag). The last
         batch starts from empty gradients, the earlier ones set aside: the flag's hook adds them into the buckets
-        it reduces, so a step that fails can go back to them on every rank. Not with synchronized BatchNorm (a rank
-        recovering alone would leave the others' BatchNorm collectives unmatched), gradients that are views of
-        DDP's buckets (the last batch's backward would write over those set aside), or parameters DDP ignores (not
-        in any bucket).
+        it reduces, so a step that fails can go back to them on every rank (those of parameters DDP ignores, in no
+        bucket, are added back on their rank, as DDP accumulates them; with ``gradient_as_bucket_view``, those kept
+        as views of the buckets are copied out first, since the last backward writes there). Not with synchronized
+        BatchNorm: a rank recovering alone would leave the others' BatchNorm collectives unmatched.
         """
-        ddp = self.ddp
-        return (
-            self.world_size > 1
-            and ddp is not None
-            and not self.sync_bn
-            and not getattr(ddp, "gradient_as_bucket_view", False)
-            and not ddp.parameters_to_ignore
-        )
+        return self.world_size > 1 and self.ddp is not None and not self.sync_bn
 
     def _run_window_batch(
         self, loop: "BackoffOptimization", kwargs: OrderedDict, total: int, splittable: bool, backward_fn: Any
@@ -456,8 +473,9 @@ class MicroBatchTrainer:
     def _restore_unbucketed(self, flag: StepFlag) -> None:
         """Add back the set-aside gradients the reduction did not take.
 
-        Those of parameters in no DDP bucket (unfrozen after the model was wrapped), which DDP leaves to each rank as
-        stock accumulation does, or all of them when no synchronised backward ran (a step without a loss).
+        Those of parameters in no DDP bucket (ignored by DDP, or unfrozen after the model was wrapped), which DDP
+        leaves to each rank as stock accumulation does, or all of them when no synchronised backward ran (a step
+        without a loss).
         """
         left = flag.addends
         if not left:
@@ -501,10 +519,17 @@ class MicroBatchTrainer:
         if ddp is not None and ddp is not checked:  # checked again when bucket tuning wraps anew
             self._half_params_of = weakref.ref(ddp)
             self._half_params = any(p.dtype == torch.float16 for p in ddp.parameters())
-        if ddp is not None and flag is not None and not self._half_params and window_grads is None:
+        if (
+            ddp is not None
+            and flag is not None
+            and not self._half_params
+            and window_grads is None
+            and flag.reduces_every_trainable(ddp.module)
+        ):
             # this backward's loss gradient is scaled, so the hook need not divide (any other backward through the
             # model, a learning-rate finder's say, keeps the hook's division); not for float16 parameters, whose
-            # gradients would underflow sooner divided first, nor for a window's gradients set aside, not scaled
+            # gradients would underflow sooner divided first, nor for a window's gradients set aside, not scaled,
+            # nor while a parameter outside DDP's buckets (ignored, or unfrozen since the wrap) takes a gradient
             flag.divide = False
             grad_scale = flag.loss_scale
         if flag is not None and window_grads is not None:
@@ -831,8 +856,9 @@ class MicroBatchTrainer:
         if compat.broadcast_ddp_buffers(ddp):  # coalesced, and through the buffer comm hook if one is registered
             return
         with torch.no_grad():
-            for buffer in ddp.module.buffers():
-                dist.broadcast(buffer, src=0, group=ddp.process_group)
+            for name, buffer in ddp.module.named_buffers():
+                if name not in ddp.parameters_to_ignore:
+                    dist.broadcast(buffer, src=0, group=ddp.process_group)
 
     def _closure_result(self, done: list[_Piece]) -> ClosureResult:
         losses = [piece.loss for piece in done if piece.loss is not None]

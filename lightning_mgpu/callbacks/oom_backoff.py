@@ -55,9 +55,9 @@ class OOMBackoff(Callback):
     layers' remaining collectives from a one-sample replay of ``training_step``); no rank steps, every rank undoes
     the attempt and runs the batch again in micro-batches. On a GPU the flag is read once per step after the
     backward (a synchronisation). The batches of an ``accumulate_grad_batches`` window run whole too (under DDP,
-    without synchronized BatchNorm, ``gradient_as_bucket_view`` or ignored parameters): those before the last under
-    ``no_sync()``, a rank that fails there redoing the batch in micro-batches on its own (no collective is in
-    flight) and raising the flag at the window's last batch; the last batch with DDP's overlapped all-reduce, the
+    without synchronized BatchNorm): those before the last under ``no_sync()``, a rank that fails there redoing
+    the batch in micro-batches on its own (no collective is in flight) and raising the flag at the window's last
+    batch; the last batch with DDP's overlapped all-reduce, the
     earlier batches' gradients set aside and added into the buckets by the flag's hook, so that after a failure
     every rank goes back to them and redoes only the last batch. Micro-batches run under DDP's ``no_sync()``; the
     ranks then agree through one small all-reduce on the host (a gloo side group under NCCL) and the gradients are

@@ -113,6 +113,12 @@ class StepFlag:
         # the hook adds each into its bucket before the reduction (see :attr:`addends`)
         self.addends: dict[Tensor, Tensor] | None = None
         self._averaged_over: int | None = None  # of the process group, read once it is registered
+        # ids of the parameters in the model's buckets, recorded in the first reduction after registering
+        self._bucket_param_ids: frozenset[int] | None = None
+        self._ids_so_far: set[int] | None = None
+        self._unbucketed_params: list[Tensor] | None = None  # the module's parameters in no bucket
+        # where each bucket's memory starts, by bucket index, as of its last reduction
+        self._bucket_memory: dict[int, int] = {}
 
     def _forward_started(self, module: Any, args: Any) -> None:
         """A forward pre-hook on the DDP model's module: a new pass, if gradients are on (validation's are not)."""
@@ -175,6 +181,39 @@ class StepFlag:
             self._confirmed = contributed.item() > 0
         return self._confirmed
 
+    def reduces_every_trainable(self, module: torch.nn.Module) -> bool:
+        """Whether every parameter of ``module`` that requires a gradient now is in a bucket the hook reduces.
+
+        Not before the first reduction after registering (the buckets' parameters are recorded there), and not while
+        a parameter DDP ignores, or one frozen when the model was wrapped and unfrozen since, takes gradients: DDP
+        leaves those to each rank, so a loss gradient scaled for the hook's sum (``divide=False``) would scale them
+        too. A check of the parameters in no bucket only: nothing for a model trained whole.
+        """
+        bucketed = self._bucket_param_ids
+        if bucketed is None:
+            return False
+        if self._unbucketed_params is None:
+            self._unbucketed_params = [param for param in module.parameters() if id(param) not in bucketed]
+        return not any(param.requires_grad for param in self._unbucketed_params)
+
+    def out_of_buckets(self, grads: list[Tensor | None]) -> list[Tensor | None]:
+        """``grads`` with copies of those that may live in a bucket's memory, which the next reduction writes over.
+
+        With ``gradient_as_bucket_view=True``, DDP makes each gradient a view of its bucket after a synchronised
+        backward (and when it wraps a model whose gradients exist), and a ``zero_grad(set_to_none=False)`` keeps it
+        so: gradients set aside for an accumulation window's last batch (:attr:`addends`) must then be copied out
+        first. Gradients in none of the buckets the hook has reduced are given back as they are; before the first
+        reduction since registering (a model wrapped anew), when the buckets are not known yet, all are copied.
+        """
+        memory = set(self._bucket_memory.values())
+        if not memory:
+            return [g.clone() if g is not None else None for g in grads]
+        return [g.clone() if g is not None and g.untyped_storage().data_ptr() in memory else g for g in grads]
+
+    def bucketed_param_ids(self) -> frozenset[int] | None:
+        """The ``id`` of every parameter in the model's buckets, once the first reduction since registering has run."""
+        return self._bucket_param_ids
+
     @property
     def pending(self) -> tuple[int, ...]:
         """This rank's contributions to the next reduction."""
@@ -229,7 +268,10 @@ class StepFlag:
             compat.reset_ddp_reduction(ddp)
         self._replay_from = self.issued
         ignored = set(ddp.parameters_to_ignore)
-        params = [param for name, param in ddp.module.named_parameters() if param.requires_grad and name not in ignored]
+        # DDP reduces a parameter under any of its names that it does not ignore (a tied one has several)
+        named = ddp.module.named_parameters(remove_duplicate=False)
+        reduced = {id(param): param for name, param in named if param.requires_grad and name not in ignored}
+        params = list(reduced.values())
         compat.expect_ddp_backward(ddp)
         try:
             if replay is None:
@@ -287,6 +329,13 @@ def flagged_hook(name: FlaggedHookName) -> Callable[[StepFlag, dist.GradBucket],
         buffer = bucket.buffer()
         last = bucket.is_last()
         index = bucket.index()
+        flag._bucket_memory[index] = buffer.untyped_storage().data_ptr()
+        # the first reduction since registering: DDP hands over every bucket, in order
+        if flag._bucket_param_ids is None:
+            recording = flag._ids_so_far = (flag._ids_so_far or set()) if index else set()
+            recording.update(id(param) for param in bucket.parameters())
+            if last:
+                flag._bucket_param_ids, flag._ids_so_far, flag._unbucketed_params = frozenset(recording), None, None
         if flag._replay_from is not None:
             if index < flag._replay_from:  # this rank sent it before its step failed
                 done: torch.futures.Future[Tensor] = torch.futures.Future()
@@ -410,5 +459,8 @@ def register_flagged_hook(
     hook = flagged_hook(name)
     model.register_comm_hook(flag, wrap(hook) if wrap else hook)
     flag.hook_name, flag._averaged_over = name, None  # the group may be another than at the last registration
+    # recorded again in the new model's first reduction
+    flag._bucket_param_ids = flag._ids_so_far = flag._unbucketed_params = None
+    flag._bucket_memory = {}
     flag.release()  # a model wrapped again (bucket tuning): one pre-hook, on the module in use
     flag._pass_hook = model.module.register_forward_pre_hook(flag._forward_started)

@@ -20,9 +20,10 @@ def run_fit(out: Path, *args: object, timeout: float = 150) -> tuple[dict, list[
     return result, load_rank_dumps(out)
 
 
-def stock_micro_batches(out: Path, accumulate: int) -> list[dict]:
+def stock_micro_batches(out: Path, accumulate: int, *extra: object) -> list[dict]:
     """Stock Lightning, no callback: batches of 4 accumulated over ``accumulate``, from the start."""
-    result, dumps = run_fit(out, "--inject", "none", "--batch-size", 4, "--accumulate", accumulate, "--no-backoff")
+    args = ("--inject", "none", "--batch-size", 4, "--accumulate", accumulate, "--no-backoff", *extra)
+    result, dumps = run_fit(out, *args)
     assert result["rc"] == 0, result["output"][-3000:]
     return dumps
 
@@ -328,3 +329,71 @@ def test_an_oom_at_the_floor_early_in_a_window_is_raised_at_once_and_the_other_r
     assert "min_micro_batch_size=8 allows no smaller one" in dumps[1]["exception"]["message"]
     assert "Connection closed by peer" in dumps[0]["exception"]["message"]
     assert [d["global_step"] for d in dumps] == [0, 0]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("model", "inject", "batches", "whole"),
+    [
+        ("plain", "none", (), [6, 6]),  # the gradients are set to None between windows: fresh tensors, set aside
+        ("keeps-grads", "none", (), [6, 6]),  # zero_grad(set_to_none=False): views of DDP's buckets, copied aside
+        # in the third window: every rank goes back to the copies, or rank 1 recovers its first batch alone
+        ("keeps-grads", "backward", ("--oom-from-step", 2, "--oom-from-batch", 1), [5, 5]),
+        ("keeps-grads", "forward", ("--oom-from-step", 2, "--oom-batches", 0), [5, 4]),
+    ],
+)
+def test_with_gradients_as_bucket_views_a_window_runs_whole(tmp_path, model, inject, batches, whole):
+    # gradient_as_bucket_view: DDP's reduction writes each gradient into its bucket, which the gradients set aside
+    # for the window's last batch may be views of; they must survive that backward, and its failure. One window per
+    # epoch: the second is the first after DDP's bucket rebuild, the third the first into buckets that stay
+    common = ("--model", model, "--accumulate", 2, "--bucket-view", "--max-epochs", 3)
+    result, dumps = run_fit(tmp_path / "run", *common, "--inject", inject, "--rank", 1, *batches)
+    assert result["rc"] == 0, result["output"][-3000:]
+    assert [d["whole_batches"] for d in dumps] == whole
+    assert [d["recoveries"] for d in dumps] == ([0, 0] if inject == "none" else [1, 1])
+    assert_params_close(dumps[0]["params"], dumps[1]["params"], atol=0)
+    if inject == "none":  # bit for bit what mgpu alone trains
+        _, expected = run_fit(tmp_path / "alone", *common, "--inject", "none", "--no-backoff")
+        assert_params_close(dumps[0]["params"], expected[0]["params"], atol=0)
+    else:  # what stock Lightning trains with micro-batches of 4 from the start
+        expected = stock_micro_batches(tmp_path / "stock", 4, "--model", model, "--bucket-view", "--max-epochs", 3)
+        assert_params_close(dumps[0]["params"], expected[0]["params"], atol=1e-5)
+        every_index_once_per_epoch(dumps)
+
+
+# --------------------------------------------------------------------------------- parameters outside DDP's buckets
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("model", "inject", "batches", "accumulate"),
+    [
+        ("ignored", "backward", ("--oom-from-batch", 1), 1),  # a backoff: the callback averages the gradients itself
+        (
+            "ignored",
+            "backward",
+            ("--oom-batches", 0),
+            2,
+        ),  # a window's first batch: its last runs again in micro-batches
+        ("ignored", "none", (), 2),  # a window on the whole-batch path: the set-aside gradient of the bias in no bucket
+        ("unfreezes", "none", (), 1),  # the whole-batch path, whose loss gradient is scaled for DDP's buckets only
+        ("unfreezes", "backward", ("--oom-from-batch", 1), 1),  # the step that unfreezes it backs off
+    ],
+)
+def test_a_parameter_outside_ddps_buckets_is_trained_by_each_rank_alone(tmp_path, model, inject, batches, accumulate):
+    # a parameter DDP ignores, or one unfrozen after DDP wrapped the model: each rank trains its own from its own
+    # gradients, never averaged, as with stock DDP, on every path OOMBackoff takes
+    common = ("--model", model, "--accumulate", accumulate)
+    result, dumps = run_fit(tmp_path / "run", *common, "--inject", inject, "--rank", 1, *batches)
+    assert result["rc"] == 0, result["output"][-3000:]
+    assert [d["recoveries"] for d in dumps] == ([0, 0] if inject == "none" else [1, 1])
+    if inject == "none":  # bit for bit what mgpu alone trains
+        _, expected = run_fit(tmp_path / "alone", *common, "--inject", "none", "--no-backoff")
+        atol = 0.0
+    else:  # what stock Lightning trains with micro-batches of 4 from the start
+        expected = stock_micro_batches(tmp_path / "stock", 2 * accumulate, "--model", model)
+        atol = 1e-5
+    local = ("head.bias",) if model == "ignored" else ("head.weight", "head.bias")
+    assert not torch.equal(expected[0]["params"][local[0]], expected[1]["params"][local[0]])
+    for rank in range(2):
+        assert_params_close(dumps[rank]["params"], expected[rank]["params"], atol=atol)
+    averaged = [name for name in dumps[0]["params"] if name not in local]
+    assert_params_close(*({name: dump["params"][name] for name in averaged} for dump in dumps), atol=0)

@@ -137,7 +137,8 @@ def test_a_real_cuda_oom_under_a_ddp_wrap_is_finished_and_recovered(tmp_path):
 @run_if(min_cuda_gpus=2)
 def test_two_gpu_accumulation_windows_run_whole_and_recover_an_oom_on_one_rank(tmp_path):
     # NCCL: the window's last batch adds the first batch's gradients into DDP's buckets on the GPU; with no OOM the
-    # parameters equal mgpu alone's, and an OOM on rank 1 in either batch of the window is recovered on both ranks
+    # parameters equal mgpu alone's (gradients as bucket views too), and an OOM on rank 1 in either batch of the
+    # window is recovered on both ranks
     script = Path(__file__).parents[1] / "helpers" / "oom_fit.py"
     runs = {}
     cases = {
@@ -146,6 +147,18 @@ def test_two_gpu_accumulation_windows_run_whole_and_recover_an_oom_on_one_rank(t
         "first": ("--inject", "backward", "--oom-batches", 0),
         "last": ("--inject", "backward", "--oom-from-batch", 1),
         "reference": ("--inject", "none", "--no-backoff", "--batch-size", 4, "--accumulate", 4),
+        # gradients kept as views of DDP's buckets (zero_grad(set_to_none=False)): set aside as copies
+        "views": ("--inject", "none", "--model", "keeps-grads", "--bucket-view", "--max-epochs", 3),
+        "views_alone": (
+            "--inject",
+            "none",
+            "--model",
+            "keeps-grads",
+            "--bucket-view",
+            "--max-epochs",
+            3,
+            "--no-backoff",
+        ),
     }
     for name, extra in cases.items():
         out = tmp_path / name
@@ -161,3 +174,6 @@ def test_two_gpu_accumulation_windows_run_whole_and_recover_an_oom_on_one_rank(t
             torch.testing.assert_close(value, runs["reference"][0]["params"][key], atol=1e-5, rtol=0)
     for key, value in runs["none"][0]["params"].items():
         torch.testing.assert_close(value, runs["alone"][0]["params"][key], atol=1e-6, rtol=0)
+    assert [d["whole_batches"] for d in runs["views"]] == [6, 6]
+    for key, value in runs["views"][0]["params"].items():
+        torch.testing.assert_close(value, runs["views_alone"][0]["params"][key], atol=1e-6, rtol=0)

@@ -79,6 +79,35 @@ class FailsAfterBackward(IndexedRegression):
             raise_oom()
 
 
+class IgnoredBias(IndexedRegression):
+    """The head's bias is one DDP ignores: each rank trains its own from its own gradients, never averaged."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._ddp_params_and_buffers_to_ignore = ["head.bias"]
+
+
+class UnfreezesHead(IndexedRegression):
+    """The head is frozen when DDP wraps the model and unfrozen from step 1 on: in no bucket, so each rank trains its
+    own, as a fine-tuning callback's unfreezing does under stock DDP."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.head.requires_grad_(False)
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        if self.trainer.global_step == 1:
+            self.head.requires_grad_(True)
+
+
+class KeepsGradients(IndexedRegression):
+    """Zeroes the gradients instead of dropping them: with ``gradient_as_bucket_view``, they stay views of DDP's
+    buckets from step to step."""
+
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer) -> None:
+        optimizer.zero_grad(set_to_none=False)
+
+
 class SaveRankState(Callback):
     def __init__(self, out: Path, backoff: OOMBackoff | None, profile_batch: int | None = None) -> None:
         self.out, self.backoff, self.start = out, backoff, time.monotonic()
@@ -133,6 +162,7 @@ def main() -> None:
     parser.add_argument("--inject", choices=["none", "forward", "backward", "step"], default="forward")
     parser.add_argument("--rank", type=int, default=1, help="the rank that runs out of memory; -1 for every rank")
     parser.add_argument("--oom-from-batch", type=int, default=0, help="inject from this batch of each epoch on")
+    parser.add_argument("--oom-from-step", type=int, default=0, help="inject from this optimizer step on")
     parser.add_argument("--oom-batches", type=int, nargs="+", help="inject at these batches of each epoch only")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--accumulate", type=int, default=1)
@@ -141,11 +171,15 @@ def main() -> None:
     parser.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL, one GPU per rank")
     parser.add_argument("--step-oom-at", type=int, default=3)
     parser.add_argument("--max-steps", type=int, default=-1)
+    parser.add_argument("--max-epochs", type=int, default=2)
     parser.add_argument("--sync-bn", action="store_true", help="a BatchNorm layer, synchronised across the ranks")
     parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm layer per process (DDP broadcasts it)")
     parser.add_argument("--find-unused", action="store_true", help="DDP's find_unused_parameters")
+    parser.add_argument("--bucket-view", action="store_true", help="DDP's gradient_as_bucket_view")
     parser.add_argument(
-        "--model", choices=["plain", "uneven", "branchy", "after-backward", "synced-log"], default="plain"
+        "--model",
+        choices=["plain", "uneven", "branchy", "after-backward", "synced-log", "ignored", "unfreezes", "keeps-grads"],
+        default="plain",
     )
     parser.add_argument("--profile-step", type=int, help="count the gloo collectives of this optimizer step")
     args = parser.parse_args()
@@ -156,6 +190,9 @@ def main() -> None:
         "branchy": Branchy,
         "after-backward": FailsAfterBackward,
         "synced-log": SyncedLog,
+        "ignored": IgnoredBias,
+        "unfreezes": UnfreezesHead,
+        "keeps-grads": KeepsGradients,
     }[args.model]
     model = model_class(
         num_samples=32,
@@ -165,6 +202,7 @@ def main() -> None:
         oom_ranks=None if args.rank < 0 else (args.rank,),
         oom_from_batch=args.oom_from_batch,
         oom_batches=tuple(args.oom_batches) if args.oom_batches else None,
+        oom_from_step=args.oom_from_step,
         batchnorm=args.sync_bn or args.batchnorm,
         step_oom_at=args.step_oom_at if args.inject == "step" else None,
     )
@@ -173,8 +211,13 @@ def main() -> None:
     trainer = Trainer(
         accelerator=args.accelerator,
         devices=2,
-        strategy=MultiGPUStrategy(mode="ddp", sync_batchnorm=args.sync_bn, find_unused_parameters=args.find_unused),
-        max_epochs=2,
+        strategy=MultiGPUStrategy(
+            mode="ddp",
+            sync_batchnorm=args.sync_bn,
+            find_unused_parameters=args.find_unused,
+            gradient_as_bucket_view=args.bucket_view,
+        ),
+        max_epochs=args.max_epochs,
         max_steps=args.max_steps,
         accumulate_grad_batches=args.accumulate,
         limit_val_batches=0,

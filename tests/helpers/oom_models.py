@@ -81,6 +81,7 @@ class IndexedRegression(pl.LightningModule):
     oom_in: ``"forward"`` or ``"backward"``.
     oom_ranks: the global ranks that run out of memory (``None``: every rank).
     oom_until_step: stop injecting from this global step on (``None``: always).
+    oom_from_step: inject only from this global step on.
     oom_from_batch: inject only from this batch index of each epoch on.
     oom_batches: inject only at these batch indices of each epoch (``None``: every one from ``oom_from_batch`` on).
     eval_oom_above: a validation / predict batch larger than this runs out of memory.
@@ -95,6 +96,7 @@ class IndexedRegression(pl.LightningModule):
         oom_in: str = "forward",
         oom_ranks: tuple[int, ...] | None = None,
         oom_until_step: int | None = None,
+        oom_from_step: int = 0,
         oom_from_batch: int = 0,
         oom_batches: tuple[int, ...] | None = None,
         eval_oom_above: int | None = None,
@@ -106,7 +108,7 @@ class IndexedRegression(pl.LightningModule):
         super().__init__()
         self.num_samples, self.batch_size = num_samples, batch_size
         self.oom_above, self.oom_in, self.oom_ranks, self.oom_until_step = oom_above, oom_in, oom_ranks, oom_until_step
-        self.oom_from_batch, self.oom_batches = oom_from_batch, oom_batches
+        self.oom_from_batch, self.oom_batches, self.oom_from_step = oom_from_batch, oom_batches, oom_from_step
         self.eval_oom_above, self.step_oom_at = eval_oom_above, step_oom_at
         self.lr, self.momentum = lr, momentum
         torch.manual_seed(7)
@@ -125,6 +127,8 @@ class IndexedRegression(pl.LightningModule):
         if self.oom_above is None or samples <= self.oom_above or not self._rank_injects():
             return False
         if batch_idx < self.oom_from_batch or (self.oom_batches is not None and batch_idx not in self.oom_batches):
+            return False
+        if self.trainer.global_step < self.oom_from_step:
             return False
         return self.oom_until_step is None or self.trainer.global_step < self.oom_until_step
 

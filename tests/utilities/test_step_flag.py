@@ -523,3 +523,58 @@ def test_set_aside_gradients_added_in_the_hook_give_ddps_accumulation_bit_for_bi
             assert window["left"] == [4, 5]  # the layer unfrozen after wrapping is in no bucket: left to the caller
             for theirs, mine in zip(window["reference"], window["ours"], strict=True):
                 assert torch.equal(mine, theirs)
+
+
+def _bucket_view_windows(rank: int, world_size: int) -> list[dict]:
+    """Windows of 2 batches with gradient_as_bucket_view and gradients zeroed in place (``set_to_none=False``): stock
+    DDP against OOMBackoff's window path, whose set-aside gradients pass through :meth:`StepFlag.out_of_buckets`.
+    The gradients exist when the models are wrapped, so DDP makes them views of its buckets before the hook has
+    reduced any (the first window); the second window is the first after a reduction, the third after DDP's bucket
+    rebuild."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2))
+    copies = [copy.deepcopy(module) for _ in "ab"]
+    for param in (param for copied in copies for param in copied.parameters()):
+        param.grad = torch.ones_like(param)
+    models = [DistributedDataParallel(copied, gradient_as_bucket_view=True) for copied in copies]
+    reference, ours = models
+    flag = StepFlag(slots=1, process_group=ours.process_group, in_place=True)
+    register_flagged_hook(ours, flag, "mean")
+    found = []
+    for window in range(3):
+        generator = torch.Generator().manual_seed(10 * window + rank)
+        batches = [(torch.randn(4, 6, generator=generator), torch.randn(4, 2, generator=generator)) for _ in "ab"]
+        for model in models:  # zero_grad(set_to_none=False)
+            for param in model.parameters():
+                if param.grad is not None:
+                    param.grad.zero_()
+        with reference.no_sync():
+            nn.functional.mse_loss(reference(batches[0][0]), batches[0][1]).backward()
+        nn.functional.mse_loss(reference(batches[1][0]), batches[1][1]).backward()
+        params = list(ours.parameters())
+        kept = [param.grad for param in params]  # the window's first batch, set aside and added back
+        for param in params:
+            param.grad = None
+        with ours.no_sync():
+            nn.functional.mse_loss(ours(batches[0][0]), batches[0][1]).backward()
+        for param, grad in zip(params, kept, strict=True):
+            param.grad = param.grad if grad is None else grad.add_(param.grad)
+        viewed = [param.grad.untyped_storage().nbytes() > param.grad.nbytes for param in params]
+        kept = flag.out_of_buckets([param.grad for param in params])
+        for param in params:
+            param.grad = None
+        flag.addends = {param: grad for param, grad in zip(params, kept, strict=True)}
+        nn.functional.mse_loss(ours(batches[1][0]), batches[1][1]).backward()
+        flag.addends = None
+        found.append({"viewed": viewed, "reference": _grads(reference), "ours": _grads(ours)})
+    return found
+
+
+@pytest.mark.distributed
+def test_set_aside_gradients_that_are_views_of_the_buckets_are_copied_out_first():
+    for results in run_processes(_bucket_view_windows, 2):
+        # the first batch's gradients were views of DDP's buckets, which the last backward writes into
+        assert [all(window["viewed"]) for window in results] == [True, True, True]
+        for window in results:
+            for theirs, mine in zip(window["reference"], window["ours"], strict=True):
+                assert torch.equal(mine, theirs)
