@@ -53,6 +53,8 @@ CONFIGS = {
     "mgpu_no_hang_watch": "mgpu",
 }
 BASELINE = "stock_ddp"
+# the configurations --gradient-as-bucket-view applies to (their strategy is "ddp" or "mgpu" with default options)
+BUCKET_VIEW_CONFIGS = ("stock_ddp", "mgpu", "mgpu_oom_backoff", "mgpu_step_flag")
 RESULT_PREFIX = "BENCHMARK_RESULT "
 
 
@@ -182,7 +184,7 @@ def main() -> None:
     parser.add_argument(
         "--gradient-as-bucket-view",
         action="store_true",
-        help="gradients as views of DDP's buckets, for stock_ddp and the configurations built on mgpu",
+        help=f"gradients as views of DDP's buckets, for {', '.join(BUCKET_VIEW_CONFIGS)} (mgpu_powersgd: always)",
     )
     add_json_out(parser)
     args = parser.parse_args()
@@ -194,6 +196,9 @@ def main() -> None:
             print("leaving out 'torch': the plain torch loop does not accumulate")
         args.configs = [c for c in args.configs if c != "torch"]
     args.warmup = -(-args.warmup // accumulate) * accumulate  # timing starts at a window's first batch
+    unsupported = [c for c in args.configs if c not in (*BUCKET_VIEW_CONFIGS, "mgpu_powersgd")]
+    if args.gradient_as_bucket_view and unsupported:
+        parser.error(f"--gradient-as-bucket-view is not built for {', '.join(unsupported)}: leave them out")
     if args.steps % args.accumulate_grad_batches:
         parser.error(
             f"--steps {args.steps} is not a multiple of --accumulate-grad-batches {args.accumulate_grad_batches}"

@@ -56,7 +56,7 @@ from lightning_mgpu.utilities.grad_allreduce import DEFAULT_BUCKET_BYTES, averag
 from lightning_mgpu.utilities.host_group import host_side_group
 from lightning_mgpu.utilities.micro_batch_policy import MicroBatchSizePolicy
 from lightning_mgpu.utilities.oom import cuda_allocated_bytes, is_out_of_memory, release_memory
-from lightning_mgpu.utilities.step_flag import StepFlag
+from lightning_mgpu.utilities.step_flag import StepFlag, bucket_params
 from lightning_mgpu.utilities.step_pieces import LogCall, capture_logs, merge_outputs, replay_logs
 from lightning_mgpu.utilities.step_rollback import StepRollback
 
@@ -329,19 +329,16 @@ class MicroBatchTrainer:
         """The parameters DDP averages, with their ``has_grad`` flags: those in its buckets.
 
         Not one DDP ignores, nor one frozen when DDP wrapped the model and unfrozen since: stock DDP leaves each rank
-        its own, and so does the whole-batch path. The flag's hook knows the buckets once it has reduced them; where
-        it does not (no flag carried), only the parameters DDP ignores are left out.
+        its own, and so does the whole-batch path. The flag knows the buckets from the wrap; where no flag rides,
+        only the parameters DDP ignores are left out.
         """
         ddp, flag = self.ddp, self.flag
         assert ddp is not None
         bucketed = flag.bucketed_param_ids() if flag is not None and self._flag_carried() else None
         if bucketed is None:
-            ignored = ddp.parameters_to_ignore
-            if not ignored:
+            if not ddp.parameters_to_ignore:
                 return self.params, has_grad
-            # a parameter DDP reduces under any of its names (a tied one) is reduced
-            names = ddp.module.named_parameters(remove_duplicate=False)
-            bucketed = {id(param) for name, param in names if name not in ignored}
+            bucketed = frozenset(id(param) for param in bucket_params(ddp, trainable_only=False))
         kept = [(param, needed) for param, needed in zip(self.params, has_grad, strict=True) if id(param) in bucketed]
         return [param for param, _ in kept], [needed for _, needed in kept]
 
@@ -524,7 +521,7 @@ class MicroBatchTrainer:
             and flag is not None
             and not self._half_params
             and window_grads is None
-            and flag.reduces_every_trainable(ddp.module)
+            and flag.reduces_every_trainable()
         ):
             # this backward's loss gradient is scaled, so the hook need not divide (any other backward through the
             # model, a learning-rate finder's say, keeps the hook's division); not for float16 parameters, whose

@@ -57,11 +57,10 @@ class OOMBackoff(Callback):
     backward (a synchronisation). The batches of an ``accumulate_grad_batches`` window run whole too (under DDP,
     without synchronized BatchNorm): those before the last under ``no_sync()``, a rank that fails there redoing
     the batch in micro-batches on its own (no collective is in flight) and raising the flag at the window's last
-    batch; the last batch with DDP's overlapped all-reduce, the
-    earlier batches' gradients set aside and added into the buckets by the flag's hook, so that after a failure
-    every rank goes back to them and redoes only the last batch. Micro-batches run under DDP's ``no_sync()``; the
-    ranks then agree through one small all-reduce on the host (a gloo side group under NCCL) and the gradients are
-    averaged once, in buckets.
+    batch; the last batch with DDP's overlapped all-reduce, the earlier batches' gradients set aside and added into
+    the buckets by the flag's hook, so that after a failure every rank goes back to them and redoes only the last
+    batch. Micro-batches run under DDP's ``no_sync()``; the ranks then agree through one small all-reduce on the
+    host (a gloo side group under NCCL) and the gradients are averaged once, in buckets.
     Every rank adopts the same smaller micro-batch. A rank whose own attempt succeeded keeps it (with synchronized
     BatchNorm every rank starts the batch over, so that all run the same micro-batches). Where the flag cannot ride
     (PowerSGD, a Lightning ``ddp_comm_hook``, ``find_unused_parameters``, ``static_graph``) every batch takes the

@@ -113,10 +113,10 @@ class StepFlag:
         # the hook adds each into its bucket before the reduction (see :attr:`addends`)
         self.addends: dict[Tensor, Tensor] | None = None
         self._averaged_over: int | None = None  # of the process group, read once it is registered
-        # ids of the parameters in the model's buckets, recorded in the first reduction after registering
+        # the parameters in the model's buckets, and the module's others, as DDP chose them when it wrapped the model
+        self._bucket_params: list[Tensor] | None = None
         self._bucket_param_ids: frozenset[int] | None = None
-        self._ids_so_far: set[int] | None = None
-        self._unbucketed_params: list[Tensor] | None = None  # the module's parameters in no bucket
+        self._unbucketed_params: list[Tensor] | None = None
         # where each bucket's memory starts, by bucket index, as of its last reduction
         self._bucket_memory: dict[int, int] = {}
 
@@ -181,20 +181,22 @@ class StepFlag:
             self._confirmed = contributed.item() > 0
         return self._confirmed
 
-    def reduces_every_trainable(self, module: torch.nn.Module) -> bool:
-        """Whether every parameter of ``module`` that requires a gradient now is in a bucket the hook reduces.
+    def _note_wrap(self, model: DistributedDataParallel) -> None:
+        """Note the parameters ``model``'s buckets hold: as the hook is registered, right after DDP wrapped it."""
+        bucketed = bucket_params(model)
+        self._bucket_params, self._bucket_param_ids = bucketed, frozenset(id(param) for param in bucketed)
+        self._unbucketed_params = [p for p in model.module.parameters() if id(p) not in self._bucket_param_ids]
+        self._bucket_memory = {}
 
-        Not before the first reduction after registering (the buckets' parameters are recorded there), and not while
-        a parameter DDP ignores, or one frozen when the model was wrapped and unfrozen since, takes gradients: DDP
-        leaves those to each rank, so a loss gradient scaled for the hook's sum (``divide=False``) would scale them
-        too. A check of the parameters in no bucket only: nothing for a model trained whole.
+    def reduces_every_trainable(self) -> bool:
+        """Whether every parameter that requires a gradient now is in a bucket the hook reduces.
+
+        Not while a parameter DDP ignores, or one frozen when the model was wrapped and unfrozen since, takes
+        gradients: DDP leaves those to each rank, so a loss gradient scaled for the hook's sum (``divide=False``)
+        would scale them too. A check of the parameters in no bucket only: nothing for a model trained whole.
         """
-        bucketed = self._bucket_param_ids
-        if bucketed is None:
-            return False
-        if self._unbucketed_params is None:
-            self._unbucketed_params = [param for param in module.parameters() if id(param) not in bucketed]
-        return not any(param.requires_grad for param in self._unbucketed_params)
+        outside = self._unbucketed_params
+        return outside is not None and not any(param.requires_grad for param in outside)
 
     def out_of_buckets(self, grads: list[Tensor | None]) -> list[Tensor | None]:
         """``grads`` with copies of those that may live in a bucket's memory, which the next reduction writes over.
@@ -202,16 +204,23 @@ class StepFlag:
         With ``gradient_as_bucket_view=True``, DDP makes each gradient a view of its bucket after a synchronised
         backward (and when it wraps a model whose gradients exist), and a ``zero_grad(set_to_none=False)`` keeps it
         so: gradients set aside for an accumulation window's last batch (:attr:`addends`) must then be copied out
-        first. Gradients in none of the buckets the hook has reduced are given back as they are; before the first
-        reduction since registering (a model wrapped anew), when the buckets are not known yet, all are copied.
+        first. Copied: a gradient in the memory of a bucket the hook has reduced, one in a larger allocation than
+        itself (a view of some bucket), and, before the first reduction since registering (a model wrapped anew),
+        every one. Meant for gradients set aside before any forward of the pass that reduces them: DDP's one-time
+        bucket rebuild, in a forward, moves the gradients that exist then into new buckets.
         """
         memory = set(self._bucket_memory.values())
         if not memory:
             return [g.clone() if g is not None else None for g in grads]
-        return [g.clone() if g is not None and g.untyped_storage().data_ptr() in memory else g for g in grads]
+        return [
+            g.clone()
+            if g is not None and (g.untyped_storage().data_ptr() in memory or g.untyped_storage().nbytes() > g.nbytes)
+            else g
+            for g in grads
+        ]
 
     def bucketed_param_ids(self) -> frozenset[int] | None:
-        """The ``id`` of every parameter in the model's buckets, once the first reduction since registering has run."""
+        """The ``id`` of every parameter in the model's buckets; ``None`` before the hook is registered."""
         return self._bucket_param_ids
 
     @property
@@ -267,11 +276,7 @@ class StepFlag:
             # before the rebuild the reducer records the order gradients arrive in: a replay would record them twice
             compat.reset_ddp_reduction(ddp)
         self._replay_from = self.issued
-        ignored = set(ddp.parameters_to_ignore)
-        # DDP reduces a parameter under any of its names that it does not ignore (a tied one has several)
-        named = ddp.module.named_parameters(remove_duplicate=False)
-        reduced = {id(param): param for name, param in named if param.requires_grad and name not in ignored}
-        params = list(reduced.values())
+        params = self._bucket_params if self._bucket_params is not None else bucket_params(ddp)
         compat.expect_ddp_backward(ddp)
         try:
             if replay is None:
@@ -330,12 +335,6 @@ def flagged_hook(name: FlaggedHookName) -> Callable[[StepFlag, dist.GradBucket],
         last = bucket.is_last()
         index = bucket.index()
         flag._bucket_memory[index] = buffer.untyped_storage().data_ptr()
-        # the first reduction since registering: DDP hands over every bucket, in order
-        if flag._bucket_param_ids is None:
-            recording = flag._ids_so_far = (flag._ids_so_far or set()) if index else set()
-            recording.update(id(param) for param in bucket.parameters())
-            if last:
-                flag._bucket_param_ids, flag._ids_so_far, flag._unbucketed_params = frozenset(recording), None, None
         if flag._replay_from is not None:
             if index < flag._replay_from:  # this rank sent it before its step failed
                 done: torch.futures.Future[Tensor] = torch.futures.Future()
@@ -385,6 +384,21 @@ def flagged_hook(name: FlaggedHookName) -> Callable[[StepFlag, dist.GradBucket],
         return future.then(unpack)
 
     return hook
+
+
+def bucket_params(model: DistributedDataParallel, trainable_only: bool = True) -> list[Tensor]:
+    """The parameters DDP puts in ``model``'s buckets, by its own rule.
+
+    Those that require a gradient when it wraps the module (``trainable_only``), unless ignored under the name it
+    checks, each once (a shared one under its first module's name).
+    """
+    ignored = model.parameters_to_ignore
+    params: dict[int, Tensor] = {}
+    for module_name, module in model.module.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            if (param.requires_grad or not trainable_only) and f"{module_name}.{name}" not in ignored:
+                params.setdefault(id(param), param)
+    return list(params.values())
 
 
 def _add_set_aside(bucket: dist.GradBucket, addends: dict[Tensor, Tensor]) -> None:
@@ -440,6 +454,9 @@ def register_flagged_hook(
     :meth:`StepFlag.finish_failed_step` needs. A flag serves one model: registering it again (a model wrapped anew,
     as bucket tuning does) moves its pre-hook to the new model's module; :meth:`StepFlag.release` removes it.
 
+    The flag notes which parameters the model's buckets hold by DDP's own rule (:func:`bucket_params`), from
+    their ``requires_grad`` now: register right after wrapping, before anything freezes or unfreezes a layer.
+
     Args:
         model: the wrapped model; a hook can be registered once per model, before its first backward.
         flag: the state; its process group should be the model's.
@@ -459,8 +476,6 @@ def register_flagged_hook(
     hook = flagged_hook(name)
     model.register_comm_hook(flag, wrap(hook) if wrap else hook)
     flag.hook_name, flag._averaged_over = name, None  # the group may be another than at the last registration
-    # recorded again in the new model's first reduction
-    flag._bucket_param_ids = flag._ids_so_far = flag._unbucketed_params = None
-    flag._bucket_memory = {}
+    flag._note_wrap(model)
     flag.release()  # a model wrapped again (bucket tuning): one pre-hook, on the module in use
     flag._pass_hook = model.module.register_forward_pre_hook(flag._forward_started)

@@ -345,7 +345,9 @@ def test_an_oom_at_the_floor_early_in_a_window_is_raised_at_once_and_the_other_r
 def test_with_gradients_as_bucket_views_a_window_runs_whole(tmp_path, model, inject, batches, whole):
     # gradient_as_bucket_view: DDP's reduction writes each gradient into its bucket, which the gradients set aside
     # for the window's last batch may be views of; they must survive that backward, and its failure. One window per
-    # epoch: the second is the first after DDP's bucket rebuild, the third the first into buckets that stay
+    # epoch: in the second, the gradients set aside are views of the buckets DDP's rebuild (in that window's first
+    # forward) let go of, so nothing writes over them; the third's are views of the rebuilt ones, which the last
+    # backward writes into
     common = ("--model", model, "--accumulate", 2, "--bucket-view", "--max-epochs", 3)
     result, dumps = run_fit(tmp_path / "run", *common, "--inject", inject, "--rank", 1, *batches)
     assert result["rc"] == 0, result["output"][-3000:]
@@ -366,16 +368,16 @@ def test_with_gradients_as_bucket_views_a_window_runs_whole(tmp_path, model, inj
 @pytest.mark.parametrize(
     ("model", "inject", "batches", "accumulate"),
     [
-        ("ignored", "backward", ("--oom-from-batch", 1), 1),  # a backoff: the callback averages the gradients itself
-        (
-            "ignored",
-            "backward",
-            ("--oom-batches", 0),
-            2,
-        ),  # a window's first batch: its last runs again in micro-batches
-        ("ignored", "none", (), 2),  # a window on the whole-batch path: the set-aside gradient of the bias in no bucket
-        ("unfreezes", "none", (), 1),  # the whole-batch path, whose loss gradient is scaled for DDP's buckets only
-        ("unfreezes", "backward", ("--oom-from-batch", 1), 1),  # the step that unfreezes it backs off
+        # a backoff: the callback averages the gradients itself
+        ("ignored", "backward", ("--oom-from-batch", 1), 1),
+        # an OOM in a window's first batch: its last batch runs again in micro-batches
+        ("ignored", "backward", ("--oom-batches", 0), 2),
+        # a window on the whole-batch path: the set-aside gradient of the bias is in no bucket
+        ("ignored", "none", (), 2),
+        # the whole-batch path, whose loss gradient is scaled for DDP's buckets only
+        ("unfreezes", "none", (), 1),
+        # the step that unfreezes it backs off
+        ("unfreezes", "backward", ("--oom-from-batch", 1), 1),
     ],
 )
 def test_a_parameter_outside_ddps_buckets_is_trained_by_each_rank_alone(tmp_path, model, inject, batches, accumulate):

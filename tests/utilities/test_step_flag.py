@@ -487,10 +487,10 @@ def _set_aside_ranks(rank: int, world_size: int) -> list[dict]:
     module[4].requires_grad_(False)
     reference = DistributedDataParallel(copy.deepcopy(module), bucket_cap_mb=TINY_BUCKETS_MB)
     ours = DistributedDataParallel(copy.deepcopy(module), bucket_cap_mb=TINY_BUCKETS_MB)
+    flag = StepFlag(slots=1, process_group=ours.process_group, in_place=True)
+    register_flagged_hook(ours, flag, "mean")  # right after the wrap, as the strategy does
     for model in (reference, ours):
         model.module[4].requires_grad_(True)
-    flag = StepFlag(slots=1, process_group=ours.process_group, in_place=True)
-    register_flagged_hook(ours, flag, "mean")
     found = []
     for window in range(3):
         generator = torch.Generator().manual_seed(10 * window + rank)
@@ -512,13 +512,18 @@ def _set_aside_ranks(rank: int, world_size: int) -> list[dict]:
             param.grad.add_(grad)
         flag.addends = None
         found.append({"left": left, "reference": _grads(reference), "ours": _grads(ours), "kept": kept[0].stride()})
+    # the unfrozen layer takes gradients outside the buckets: a loss gradient scaled for the hook's sum would scale it
+    found.append({"scalable": flag.reduces_every_trainable()})
+    ours.module[4].requires_grad_(False)
+    found.append({"scalable": flag.reduces_every_trainable()})
     return found
 
 
 @pytest.mark.distributed
 def test_set_aside_gradients_added_in_the_hook_give_ddps_accumulation_bit_for_bit():
     for results in run_processes(_set_aside_ranks, 2):
-        for window in results:
+        assert [found["scalable"] for found in results[-2:]] == [False, True]
+        for window in results[:-2]:
             assert window["kept"] == (27, 1, 9, 3)  # the convolution's gradient is channels_last
             assert window["left"] == [4, 5]  # the layer unfrozen after wrapping is in no bucket: left to the caller
             for theirs, mine in zip(window["reference"], window["ours"], strict=True):
@@ -529,8 +534,8 @@ def _bucket_view_windows(rank: int, world_size: int) -> list[dict]:
     """Windows of 2 batches with gradient_as_bucket_view and gradients zeroed in place (``set_to_none=False``): stock
     DDP against OOMBackoff's window path, whose set-aside gradients pass through :meth:`StepFlag.out_of_buckets`.
     The gradients exist when the models are wrapped, so DDP makes them views of its buckets before the hook has
-    reduced any (the first window); the second window is the first after a reduction, the third after DDP's bucket
-    rebuild."""
+    reduced any (the first window). In the second, they are views of the buckets DDP's rebuild (in that window's
+    first forward) let go of: copied, though nothing writes over them. The third's are views of the rebuilt ones."""
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2))
     copies = [copy.deepcopy(module) for _ in "ab"]
