@@ -573,6 +573,15 @@ def broadcast_ddp_buffers(ddp: nn.parallel.DistributedDataParallel) -> bool:
     return True
 
 
+def ddp_delayed_params(ddp: nn.parallel.DistributedDataParallel) -> list[nn.Parameter]:
+    """The parameters DDP averages by a hook of its own, outside its buckets (``delay_all_reduce_named_params``).
+
+    torch 2.13's ``_delay_all_reduce_params``: that hook issues an all-reduce on every backward that reaches
+    ``param_to_hook_all_reduce``, under ``no_sync()`` too. Empty where a torch lacks it.
+    """
+    return list(getattr(ddp, "_delay_all_reduce_params", ()))
+
+
 def ddp_buckets_rebuilt(ddp: nn.parallel.DistributedDataParallel) -> bool:
     """Whether DDP has rebuilt its buckets in the order gradients arrived, as it does once after the first backward.
 

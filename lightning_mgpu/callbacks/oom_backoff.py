@@ -101,7 +101,9 @@ class OOMBackoff(Callback):
 
     Requirements: automatic optimization; single device, DataParallel or DDP; a ``training_step`` without
     collectives of its own other than the strategy's synchronized BatchNorm (torch's ``SyncBatchNorm`` is refused:
-    its collectives cannot be replayed), with the same batch size on every rank when BatchNorm is synchronized.
+    its collectives cannot be replayed), with the same batch size on every rank when BatchNorm is synchronized; and
+    under DDP, no ``delay_all_reduce_named_params`` (refused: DDP averages those parameters by an all-reduce of its
+    own on every backward, which a rank that fails or backs off alone would leave unmatched).
 
     Logged keys, on the steps Lightning's loggers write: ``oom/micro_batch_size`` (samples; the batch size until the
     first backoff) and ``oom/recoveries`` (count since the start of training). One line is printed on rank 0 for
@@ -447,6 +449,14 @@ class OOMBackoff(Callback):
                     " a rank that fails part way through a step cannot finish the collectives its layers leave"
                     f" undone. Use {type(trainer.strategy).__name__}(sync_batchnorm=True), whose"
                     f" {DistributedBatchNorm.__name__} layers {name} can replay, or turn sync_batchnorm off."
+                )
+            delayed = compat.ddp_delayed_params(runner_model)
+            if delayed:
+                raise MisconfigurationException(
+                    f"{name} cannot back off a model built with DistributedDataParallel's delay_all_reduce_named_params"
+                    f" ({len(delayed)} parameter(s)): DDP averages those by an all-reduce of its own on every backward,"
+                    " even under no_sync(), so a rank that fails or runs more micro-batches than the others leaves"
+                    " them unmatched. Leave delay_all_reduce_named_params out, or remove the callback."
                 )
             plain = getattr(trainer.strategy, "plain_reduction_hook", False)  # PerformanceMonitor's timing only
             carried = getattr(trainer.strategy, "step_flag_registered", False)  # the hook is DDP's reduction, kept

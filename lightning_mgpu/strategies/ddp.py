@@ -195,6 +195,14 @@ class DDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, compa
                 unit="MB",
                 hint="use None for torch's default (25) or 'auto' to time sizes on the first steps",
             )
+        if kwargs.get("bucket_cap_mb_list") is not None and bucket_cap_mb is not None:
+            # torch builds every bucket from the list and ignores bucket_cap_mb: a size, or timed sizes, would not apply
+            raise ValueError(
+                f"{owner}: bucket_cap_mb={bucket_cap_mb!r} and bucket_cap_mb_list={kwargs['bucket_cap_mb_list']!r} both"
+                " set the bucket sizes, and DistributedDataParallel ignores bucket_cap_mb when given a list. Pass"
+                " bucket_cap_mb=None to keep the list's sizes, or leave bucket_cap_mb_list out"
+                + (" to let 'auto' time sizes" if bucket_cap_mb == "auto" else "")
+            )
         check_int(owner, "bucket_tuning_steps", bucket_tuning_steps, minimum=MIN_BUCKET_TUNING_STEPS)
         check_bool(owner, "gradient_as_bucket_view", gradient_as_bucket_view)
         check_bool(owner, "static_graph", static_graph)
@@ -423,7 +431,8 @@ class DDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, compa
         """Register the flag-carrying variant of ``hook`` if a callback asked for :attr:`step_flag` and it can be.
 
         Not with PowerSGD (its buckets are reduced together, not one by one), a ``ddp_comm_hook`` of Lightning's, a
-        hook DDP registered itself, or DDP's ``find_unused_parameters`` / ``static_graph``: then
+        hook DDP registered itself, DDP's ``find_unused_parameters`` / ``static_graph``, or parameters DDP reduces
+        itself after the backward (``delay_all_reduce_named_params``): then
         :attr:`step_flag_registered` stays ``False`` and the asking callback keeps its own way.
         """
         flag = self.step_flag
@@ -432,6 +441,8 @@ class DDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, compa
         model = self.model
         assert isinstance(model, DistributedDataParallel)
         if compat.ddp_has_comm_hook(model) or model.find_unused_parameters or model.static_graph:
+            return False
+        if compat.ddp_delayed_params(model):
             return False
         flag.process_group = model.process_group
         wrap = timer.wrap if timer is not None else None

@@ -399,3 +399,15 @@ def test_a_parameter_outside_ddps_buckets_is_trained_by_each_rank_alone(tmp_path
         assert_params_close(dumps[rank]["params"], expected[rank]["params"], atol=atol)
     averaged = [name for name in dumps[0]["params"] if name not in local]
     assert_params_close(*({name: dump["params"][name] for name in averaged} for dump in dumps), atol=0)
+
+
+@pytest.mark.distributed
+def test_a_model_whose_parameters_ddp_reduces_itself_is_refused_on_every_rank(tmp_path):
+    # delay_all_reduce_named_params: DDP all-reduces the head's bias by a hook of its own on every backward, which a
+    # rank that fails or backs off alone would leave unmatched. Both ranks refuse before the first step, without a hang
+    result, dumps = run_fit(tmp_path, "--inject", "none", "--delay-head", timeout=120)
+    assert result["rc"] != 0
+    assert [d["exception"]["type"] for d in dumps] == ["MisconfigurationException"] * 2
+    for dump in dumps:
+        assert "delay_all_reduce_named_params (1 parameter(s))" in dump["exception"]["message"]
+        assert dump["global_step"] == 0

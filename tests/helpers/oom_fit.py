@@ -177,6 +177,9 @@ def main() -> None:
     parser.add_argument("--find-unused", action="store_true", help="DDP's find_unused_parameters")
     parser.add_argument("--bucket-view", action="store_true", help="DDP's gradient_as_bucket_view")
     parser.add_argument(
+        "--delay-head", action="store_true", help="DDP's delay_all_reduce_named_params: the head's bias"
+    )
+    parser.add_argument(
         "--model",
         choices=["plain", "uneven", "branchy", "after-backward", "synced-log", "ignored", "unfreezes", "keeps-grads"],
         default="plain",
@@ -206,6 +209,11 @@ def main() -> None:
         batchnorm=args.sync_bn or args.batchnorm,
         step_oom_at=args.step_oom_at if args.inject == "step" else None,
     )
+    delayed = {}
+    if args.delay_head:
+        delayed = dict(
+            delay_all_reduce_named_params=[("head.bias", model.head.bias)], param_to_hook_all_reduce=model.head.bias
+        )
     backoff = None if args.no_backoff else OOMBackoff(min_micro_batch_size=args.min_micro_batch_size)
     callbacks = [SaveRankState(args.out, backoff, args.profile_step)] + ([backoff] if backoff else [])
     trainer = Trainer(
@@ -216,6 +224,7 @@ def main() -> None:
             sync_batchnorm=args.sync_bn,
             find_unused_parameters=args.find_unused,
             gradient_as_bucket_view=args.bucket_view,
+            **delayed,
         ),
         max_epochs=args.max_epochs,
         max_steps=args.max_steps,

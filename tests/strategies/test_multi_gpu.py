@@ -210,6 +210,17 @@ def test_dataparallel_strategy_refuses_cpu_devices_at_fit():
         ({"powersgd_rank": 0}, ValueError, r"powersgd_rank must be an int >= 1, got 0"),
         ({"powersgd_rank": 2.0}, TypeError, r"powersgd_rank must be an int >= 1, got 2.0"),
         ({"powersgd_warmup_steps": -1}, ValueError, r"powersgd_warmup_steps must be an int >= 0, got -1"),
+        (
+            {"bucket_cap_mb_list": [5, 25]},  # MultiGPUStrategy's default bucket_cap_mb is "auto"
+            ValueError,
+            r"bucket_cap_mb='auto' and bucket_cap_mb_list=\[5, 25\] both set the bucket sizes.*ignores bucket_cap_mb"
+            r".*Pass bucket_cap_mb=None.*to let 'auto' time sizes$",
+        ),
+        (
+            {"bucket_cap_mb": 50, "bucket_cap_mb_list": [5]},
+            ValueError,
+            r"bucket_cap_mb=50 and bucket_cap_mb_list=\[5\] both set.*or leave bucket_cap_mb_list out$",
+        ),
     ],
 )
 def test_bad_input_is_named_at_construction(kwargs, error, pattern):
@@ -243,6 +254,9 @@ def test_ddp_and_lightning_keyword_arguments_are_accepted_and_passed_on():
     assert "model_averaging_period" not in strategy._ddp_kwargs  # Lightning's DDPStrategy keeps that one itself
     assert "broadcast_buffers" not in strategy._ddp_kwargs  # torch's default unless asked for (2.13 deprecates it)
     assert MultiGPUStrategy(broadcast_buffers=False)._ddp_kwargs["broadcast_buffers"] is False
+    listed = MultiGPUStrategy(bucket_cap_mb=None, bucket_cap_mb_list=[5, 25])
+    assert listed._ddp_kwargs["bucket_cap_mb_list"] == [5, 25] and "bucket_cap_mb" not in listed._ddp_kwargs
+    assert not listed.tunes_buckets
 
 
 def test_a_misspelt_strategy_name_gets_the_registered_names_and_the_closest():

@@ -357,6 +357,15 @@ def _edge_cases(rank: int) -> dict:
             register_flagged_hook(DistributedDataParallel(_FailingNet(), **{option: True}), StepFlag())
         except ValueError as err:
             found[option] = str(err)
+    net = _FailingNet()
+    name, first = next(iter(net.named_parameters()))
+    delayed = DistributedDataParallel(
+        net, delay_all_reduce_named_params=[(name, first)], param_to_hook_all_reduce=first
+    )
+    try:
+        register_flagged_hook(delayed, StepFlag())
+    except ValueError as err:
+        found["delay_all_reduce_named_params"] = str(err)
     return found
 
 
@@ -434,6 +443,7 @@ def test_what_cannot_be_finished_says_so_and_unsupported_options_refuse(failure_
     for results in failure_cases:
         for option in ("find_unused_parameters", "static_graph"):
             assert f"{option}=True is not supported" in results["edges"][option]
+        assert "delay_all_reduce_named_params is not supported" in results["edges"]["delay_all_reduce_named_params"]
 
 
 @pytest.mark.distributed
