@@ -6,11 +6,13 @@ from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.modules.batchnorm import SyncBatchNorm
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_mgpu import compat
@@ -102,8 +104,9 @@ class OOMBackoff(Callback):
     Requirements: automatic optimization; single device, DataParallel or DDP; a ``training_step`` without
     collectives of its own other than the strategy's synchronized BatchNorm (torch's ``SyncBatchNorm`` is refused:
     its collectives cannot be replayed), with the same batch size on every rank when BatchNorm is synchronized; and
-    under DDP, no ``delay_all_reduce_named_params`` (refused: DDP averages those parameters by an all-reduce of its
-    own on every backward, which a rank that fails or backs off alone would leave unmatched).
+    none of DDP's ``delay_all_reduce_named_params`` (an all-reduce of DDP's own on every backward, ``no_sync()`` or
+    not, which a rank that fails or backs off alone would leave unmatched) or ``mixed_precision`` (its full-precision
+    parameters come back only in DDP's own hook, which micro-batches skip): both refused when the fit starts.
 
     Logged keys, on the steps Lightning's loggers write: ``oom/micro_batch_size`` (samples; the batch size until the
     first backoff) and ``oom/recoveries`` (count since the start of training). One line is printed on rank 0 for
@@ -242,6 +245,12 @@ class OOMBackoff(Callback):
                 f"{type(self).__name__}(keep_effective_batch=False) sets the loader's batch size through the attribute"
                 f" batch_arg_name={self.batch_arg_name!r}, which neither the model, its hparams nor the datamodule"
                 " has. Add it (and use it in the train dataloader) or pass the attribute's name."
+            )
+        if stage == "fit" and isinstance(trainer.strategy, LightningDDPStrategy):
+            # before DDP wraps the model (which broadcasts): the options this callback cannot run with
+            kwargs = compat.ddp_kwargs(trainer.strategy)
+            self._refuse_ddp_options(
+                len(kwargs.get("delay_all_reduce_named_params") or ()), kwargs.get("mixed_precision")
             )
         if stage == "fit" and isinstance(trainer.strategy, DDPStrategy):
             # before the model is wrapped: a rank that runs out of memory tells the others in the gradient all-reduce
@@ -429,13 +438,35 @@ class OOMBackoff(Callback):
                 " sharding='full', cpu_offload=True on GPUs, or a smaller batch with accumulate_grad_batches."
             )
 
+    def _refuse_ddp_options(self, delayed: int, mixed_precision: Any) -> None:
+        """Refuse the DDP options a step run in pieces would get wrong, at any number of processes."""
+        name = type(self).__name__
+        if delayed:
+            # a micro-batch or a failed attempt would issue it on one rank and not another; with one process, the
+            # gradients set aside between micro-batches are views of DDP's buffer, which its next forward zeroes
+            raise MisconfigurationException(
+                f"{name} cannot back off a model built with DistributedDataParallel's delay_all_reduce_named_params"
+                f" ({delayed} parameter(s)): DDP issues an all-reduce of its own on every backward that reaches"
+                " param_to_hook_all_reduce, under no_sync() too, and keeps those gradients in a buffer of its own."
+                " Leave delay_all_reduce_named_params out, or remove the callback."
+            )
+        if mixed_precision is not None:
+            raise MisconfigurationException(
+                f"{name} cannot back off a model built with DistributedDataParallel's mixed_precision="
+                f"{mixed_precision!r}: DDP puts the full-precision parameters back only in its own communication hook,"
+                " which micro-batches under no_sync() never run, so the optimizer would step the low-precision copies."
+                " Use the Trainer's precision='bf16-mixed' instead, or remove the callback."
+            )
+
     def _check_strategy(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._refuse_sharding(trainer)  # again: a memory plan may have switched the strategy to FSDP since setup
         name = type(self).__name__
         runner_model = trainer.strategy.model
+        if isinstance(runner_model, DistributedDataParallel):  # as wrapped, whatever strategy did it
+            self._refuse_ddp_options(
+                len(compat.ddp_delayed_params(runner_model)), getattr(runner_model, "mixed_precision", None)
+            )
         if trainer.world_size > 1:
-            from torch.nn.parallel import DistributedDataParallel
-
             if not isinstance(runner_model, DistributedDataParallel):
                 raise MisconfigurationException(
                     f"{name} supports single-device, DataParallel and DDP training; with {trainer.world_size}"
@@ -449,14 +480,6 @@ class OOMBackoff(Callback):
                     " a rank that fails part way through a step cannot finish the collectives its layers leave"
                     f" undone. Use {type(trainer.strategy).__name__}(sync_batchnorm=True), whose"
                     f" {DistributedBatchNorm.__name__} layers {name} can replay, or turn sync_batchnorm off."
-                )
-            delayed = compat.ddp_delayed_params(runner_model)
-            if delayed:
-                raise MisconfigurationException(
-                    f"{name} cannot back off a model built with DistributedDataParallel's delay_all_reduce_named_params"
-                    f" ({len(delayed)} parameter(s)): DDP averages those by an all-reduce of its own on every backward,"
-                    " even under no_sync(), so a rank that fails or runs more micro-batches than the others leaves"
-                    " them unmatched. Leave delay_all_reduce_named_params out, or remove the callback."
                 )
             plain = getattr(trainer.strategy, "plain_reduction_hook", False)  # PerformanceMonitor's timing only
             carried = getattr(trainer.strategy, "step_flag_registered", False)  # the hook is DDP's reduction, kept

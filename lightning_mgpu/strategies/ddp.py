@@ -195,7 +195,7 @@ class DDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, compa
                 unit="MB",
                 hint="use None for torch's default (25) or 'auto' to time sizes on the first steps",
             )
-        if kwargs.get("bucket_cap_mb_list") is not None and bucket_cap_mb is not None:
+        if kwargs.get("bucket_cap_mb_list") and bucket_cap_mb is not None:  # torch reads an empty list as none
             # torch builds every bucket from the list and ignores bucket_cap_mb: a size, or timed sizes, would not apply
             raise ValueError(
                 f"{owner}: bucket_cap_mb={bucket_cap_mb!r} and bucket_cap_mb_list={kwargs['bucket_cap_mb_list']!r} both"
@@ -431,8 +431,8 @@ class DDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, compa
         """Register the flag-carrying variant of ``hook`` if a callback asked for :attr:`step_flag` and it can be.
 
         Not with PowerSGD (its buckets are reduced together, not one by one), a ``ddp_comm_hook`` of Lightning's, a
-        hook DDP registered itself, DDP's ``find_unused_parameters`` / ``static_graph``, or parameters DDP reduces
-        itself after the backward (``delay_all_reduce_named_params``): then
+        hook DDP registered itself, DDP's ``find_unused_parameters`` / ``static_graph``, or parameters DDP reduces by
+        an all-reduce of its own (``delay_all_reduce_named_params``): then
         :attr:`step_flag_registered` stays ``False`` and the asking callback keeps its own way.
         """
         flag = self.step_flag

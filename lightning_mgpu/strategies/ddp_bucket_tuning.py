@@ -152,6 +152,10 @@ class DDPBucketTuning:
             return self.disabled_reason
         if trainer.state.fn != TrainerFn.FITTING or not isinstance(strategy.model, DistributedDataParallel):
             return "not fitting with DDP"
+        if compat.ddp_delayed_params(strategy.model):
+            # torch registers its delayed all-reduce on the parameter's gradient at every wrap and never removes it:
+            # each trial would add one more all-reduce per backward, and keep the old wrapper's buckets alive
+            return "delay_all_reduce_named_params adds DDP's own all-reduce again at each re-wrap"
         if strategy.comm_hook == "powersgd":
             return "comm_hook='powersgd' keeps error feedback per bucket, which a re-wrap would lose"
         if compat.lightning_comm_state(strategy):
@@ -250,6 +254,8 @@ class DDPBucketTuning:
             "ddp/bucket_tuning_seconds": result.tuning_seconds,
             "ddp/bucket_tuning_speedup": result.speedup or 1.0,
         }
+        if compat.ddp_kwargs(self.strategy).get("bucket_cap_mb_list"):
+            del metrics["ddp/bucket_cap_mb"]  # DDP's own list of sizes applies, not one size
         metrics.update({f"ddp/bucket_trial_ms/{label}": ms for label, ms in result.step_ms.items()})
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)

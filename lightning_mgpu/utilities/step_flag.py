@@ -466,7 +466,7 @@ def register_flagged_hook(
     Raises:
         ValueError: a model built with ``find_unused_parameters=True`` or ``static_graph=True``, whose reductions
             hold state a failed pass cannot be finished in; or with ``delay_all_reduce_named_params``, whose
-            parameters DDP reduces by a hook of its own that the flag does not ride in.
+            parameters DDP reduces by an all-reduce of its own that the flag does not ride in.
     """
     for option in ("find_unused_parameters", "static_graph"):
         if getattr(model, option, False):
@@ -477,7 +477,7 @@ def register_flagged_hook(
     if compat.ddp_delayed_params(model):
         raise ValueError(
             "register_flagged_hook: a DistributedDataParallel built with delay_all_reduce_named_params is not"
-            " supported (DDP averages those parameters by an all-reduce of its own, which the flag does not ride in"
+            " supported (DDP reduces those parameters by an all-reduce of its own, which the flag does not ride in"
             " and a failed pass cannot finish); build it without."
         )
     hook = flagged_hook(name)

@@ -10,7 +10,10 @@ from typing import ClassVar
 import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parallel.distributed import _MixedPrecision
 
 from lightning_mgpu import MultiGPUStrategy, OOMBackoff, OOMRecoveryError
 from lightning_mgpu.callbacks import _oom_training
@@ -65,6 +68,37 @@ def test_one_process_under_a_ddp_wrap_finishes_the_failed_reduction_and_recovers
     assert backoff.recoveries == 1 and backoff.micro_batch_size == 4
     assert max_difference(model, reference) < 1e-5
     assert model.epoch_indices == [list(range(32))] * 2
+
+
+class WrapsWithDelayedBias(DDPStrategy):
+    """Stock Lightning's DDP, wrapping the model itself with the head's bias reduced by DDP's delayed all-reduce."""
+
+    def configure_ddp(self) -> None:
+        bias = self.model.head.bias
+        self.model = DistributedDataParallel(
+            self.model, delay_all_reduce_named_params=[("head.bias", bias)], param_to_hook_all_reduce=bias
+        )
+
+
+@pytest.mark.parametrize("route", ["kwargs", "wrapped", "mixed_precision"])
+def test_ddp_options_a_step_in_pieces_would_get_wrong_are_refused_with_one_process(tmp_path, route):
+    # with one process too: DDP's next forward zeroes the buffer the delayed gradients live in, set aside between
+    # micro-batches; DDP's mixed precision puts the full-precision parameters back in a hook micro-batches skip
+    model = IndexedRegression()
+    if route == "kwargs":  # read before DDP wraps the model
+        bias = model.head.bias
+        strategy = MultiGPUStrategy(
+            mode="ddp", delay_all_reduce_named_params=[("head.bias", bias)], param_to_hook_all_reduce=bias
+        )
+    elif route == "wrapped":  # a strategy that wraps another way: read from the wrapper when the fit starts
+        strategy = WrapsWithDelayedBias()
+    else:
+        strategy = MultiGPUStrategy(mode="ddp", mixed_precision=_MixedPrecision(param_dtype=torch.bfloat16))
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, callbacks=[OOMBackoff()], **QUIET)
+    pattern = "mixed_precision=_MixedPrecision" if route == "mixed_precision" else r"\(1 parameter\(s\)\)"
+    with pytest.raises(MisconfigurationException, match=f"OOMBackoff cannot back off a model built with .*{pattern}"):
+        trainer.fit(model)
+    assert trainer.global_step == 0
 
 
 def test_forward_oom_keeps_the_trajectory_of_accumulation_and_of_the_full_batch(tmp_path):

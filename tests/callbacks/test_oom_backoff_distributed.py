@@ -300,6 +300,19 @@ def test_an_oom_in_an_accumulation_window_is_recovered_on_both(
 
 
 @pytest.mark.distributed
+def test_with_ddps_batched_gradient_copy_an_oom_in_a_windows_last_batch_is_recovered(tmp_path, window_reference):
+    # batched_grad_copy defers each bucket's gradient copies until the bucket is ready: rank 1's backward fails with
+    # some deferred, and every rank goes back to the set-aside gradients (bucket views) and redoes the last batch
+    common = ("--accumulate", 2, "--batched-copy", "--bucket-view")
+    result, dumps = run_fit(tmp_path, "--inject", "backward", "--rank", 1, "--oom-from-batch", 1, *common)
+    assert result["rc"] == 0, result["output"][-3000:]
+    assert [(d["recoveries"], d["whole_batches"]) for d in dumps] == [(1, 1), (1, 1)]
+    assert_params_close(dumps[0]["params"], dumps[1]["params"], atol=0)
+    assert_params_close(dumps[0]["params"], window_reference[0]["params"], atol=1e-5)
+    every_index_once_per_epoch(dumps)
+
+
+@pytest.mark.distributed
 def test_a_forward_oom_early_in_a_window_with_buffers_does_not_broadcast_them_again(tmp_path):
     # a BatchNorm per process: DDP broadcasts its statistics in the window's first forward. Rank 1's forward fails
     # after that broadcast; its recovery must not broadcast them again on its own (a collective rank 0 never issues)
@@ -405,9 +418,15 @@ def test_a_parameter_outside_ddps_buckets_is_trained_by_each_rank_alone(tmp_path
 def test_a_model_whose_parameters_ddp_reduces_itself_is_refused_on_every_rank(tmp_path):
     # delay_all_reduce_named_params: DDP all-reduces the head's bias by a hook of its own on every backward, which a
     # rank that fails or backs off alone would leave unmatched. Both ranks refuse before the first step, without a hang
-    result, dumps = run_fit(tmp_path, "--inject", "none", "--delay-head", timeout=120)
+    result, dumps = run_fit(tmp_path / "backoff", "--inject", "none", "--delay-head", timeout=120)
     assert result["rc"] != 0
     assert [d["exception"]["type"] for d in dumps] == ["MisconfigurationException"] * 2
     for dump in dumps:
         assert "delay_all_reduce_named_params (1 parameter(s))" in dump["exception"]["message"]
         assert dump["global_step"] == 0
+    # without the callback the model trains; bucket tuning (MultiGPUStrategy's default) is skipped: torch would add
+    # its delayed all-reduce again at each trial's re-wrap
+    result, dumps = run_fit(tmp_path / "alone", "--inject", "none", "--delay-head", "--no-backoff", timeout=120)
+    assert result["rc"] == 0, result["output"][-3000:]
+    for dump in dumps:
+        assert dump["tuning"].reason.startswith("delay_all_reduce_named_params adds DDP's own all-reduce again")

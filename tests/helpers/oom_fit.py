@@ -152,6 +152,7 @@ class SaveRankState(Callback):
             "collectives": self.collectives,
             "whole_batches": self.whole_batches,
             "flag_carried": self.flag_carried,
+            "tuning": getattr(trainer.strategy, "bucket_tuning", None),
         }
         torch.save(state, self.out / f"rank{trainer.global_rank}.pt")
 
@@ -179,6 +180,7 @@ def main() -> None:
     parser.add_argument(
         "--delay-head", action="store_true", help="DDP's delay_all_reduce_named_params: the head's bias"
     )
+    parser.add_argument("--batched-copy", action="store_true", help="DDP's batched_grad_copy")
     parser.add_argument(
         "--model",
         choices=["plain", "uneven", "branchy", "after-backward", "synced-log", "ignored", "unfreezes", "keeps-grads"],
@@ -209,9 +211,9 @@ def main() -> None:
         batchnorm=args.sync_bn or args.batchnorm,
         step_oom_at=args.step_oom_at if args.inject == "step" else None,
     )
-    delayed = {}
+    ddp_kwargs = {"batched_grad_copy": True} if args.batched_copy else {}
     if args.delay_head:
-        delayed = dict(
+        ddp_kwargs.update(
             delay_all_reduce_named_params=[("head.bias", model.head.bias)], param_to_hook_all_reduce=model.head.bias
         )
     backoff = None if args.no_backoff else OOMBackoff(min_micro_batch_size=args.min_micro_batch_size)
@@ -224,7 +226,7 @@ def main() -> None:
             sync_batchnorm=args.sync_bn,
             find_unused_parameters=args.find_unused,
             gradient_as_bucket_view=args.bucket_view,
-            **delayed,
+            **ddp_kwargs,
         ),
         max_epochs=args.max_epochs,
         max_steps=args.max_steps,
