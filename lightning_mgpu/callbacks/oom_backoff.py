@@ -250,7 +250,7 @@ class OOMBackoff(Callback):
             # before DDP wraps the model (which broadcasts): the options this callback cannot run with
             kwargs = compat.ddp_kwargs(trainer.strategy)
             self._refuse_ddp_options(
-                len(kwargs.get("delay_all_reduce_named_params") or ()), kwargs.get("mixed_precision")
+                kwargs.get("delay_all_reduce_named_params") is not None, kwargs.get("mixed_precision")
             )
         if stage == "fit" and isinstance(trainer.strategy, DDPStrategy):
             # before the model is wrapped: a rank that runs out of memory tells the others in the gradient all-reduce
@@ -438,17 +438,19 @@ class OOMBackoff(Callback):
                 " sharding='full', cpu_offload=True on GPUs, or a smaller batch with accumulate_grad_batches."
             )
 
-    def _refuse_ddp_options(self, delayed: int, mixed_precision: Any) -> None:
+    def _refuse_ddp_options(self, delayed: bool, mixed_precision: Any) -> None:
         """Refuse the DDP options a step run in pieces would get wrong, at any number of processes."""
         name = type(self).__name__
         if delayed:
-            # a micro-batch or a failed attempt would issue it on one rank and not another; with one process, the
+            # a micro-batch or a failed attempt would issue it on one rank and not another; and, one process too, the
             # gradients set aside between micro-batches are views of DDP's buffer, which its next forward zeroes
             raise MisconfigurationException(
-                f"{name} cannot back off a model built with DistributedDataParallel's delay_all_reduce_named_params"
-                f" ({delayed} parameter(s)): DDP issues an all-reduce of its own on every backward that reaches"
-                " param_to_hook_all_reduce, under no_sync() too, and keeps those gradients in a buffer of its own."
-                " Leave delay_all_reduce_named_params out, or remove the callback."
+                f"{name} cannot back off a model built with DistributedDataParallel's delay_all_reduce_named_params:"
+                " DDP issues an all-reduce of its own on every backward that reaches param_to_hook_all_reduce, under"
+                " no_sync() too, which a rank that fails or backs off alone leaves unmatched; and it keeps those"
+                " gradients in a buffer that its next forward zeroes, under the gradients set aside between"
+                " micro-batches. Leave out delay_all_reduce_named_params and param_to_hook_all_reduce, or remove the"
+                " callback."
             )
         if mixed_precision is not None:
             raise MisconfigurationException(
@@ -464,7 +466,7 @@ class OOMBackoff(Callback):
         runner_model = trainer.strategy.model
         if isinstance(runner_model, DistributedDataParallel):  # as wrapped, whatever strategy did it
             self._refuse_ddp_options(
-                len(compat.ddp_delayed_params(runner_model)), getattr(runner_model, "mixed_precision", None)
+                bool(compat.ddp_delayed_params(runner_model)), getattr(runner_model, "mixed_precision", None)
             )
         if trainer.world_size > 1:
             if not isinstance(runner_model, DistributedDataParallel):

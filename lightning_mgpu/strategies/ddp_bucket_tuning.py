@@ -152,10 +152,12 @@ class DDPBucketTuning:
             return self.disabled_reason
         if trainer.state.fn != TrainerFn.FITTING or not isinstance(strategy.model, DistributedDataParallel):
             return "not fitting with DDP"
+        # torch registers hooks of its own at every wrap with these and never removes them: each trial would keep the
+        # old wrapper (and its buckets) alive, and add its work (an all-reduce, a parameter copy) to every step
         if compat.ddp_delayed_params(strategy.model):
-            # torch registers its delayed all-reduce on the parameter's gradient at every wrap and never removes it:
-            # each trial would add one more all-reduce per backward, and keep the old wrapper's buckets alive
             return "delay_all_reduce_named_params adds DDP's own all-reduce again at each re-wrap"
+        if getattr(strategy.model, "mixed_precision", None) is not None:
+            return "DDP's mixed_precision adds its own parameter-copy hooks again at each re-wrap"
         if strategy.comm_hook == "powersgd":
             return "comm_hook='powersgd' keeps error feedback per bucket, which a re-wrap would lose"
         if compat.lightning_comm_state(strategy):
