@@ -57,8 +57,8 @@ from lightning_mgpu.utilities.host_group import host_side_group
 from lightning_mgpu.utilities.micro_batch_policy import MicroBatchSizePolicy
 from lightning_mgpu.utilities.oom import cuda_allocated_bytes, is_out_of_memory, release_memory
 from lightning_mgpu.utilities.step_flag import StepFlag, bucket_params
-from lightning_mgpu.utilities.step_pieces import LogCall, capture_logs, merge_outputs, replay_logs
-from lightning_mgpu.utilities.step_rollback import StepRollback
+from lightning_mgpu.utilities.step_pieces import LogCall, capture_logs, merge_outputs, piece_share, replay_logs
+from lightning_mgpu.utilities.step_rollback import AttemptState, StepRollback
 
 # a local out-of-memory error that a smaller micro-batch may fix
 RECOVERABLE_OOM = -1
@@ -120,11 +120,13 @@ def _step_and_backward(
     weight: float,
     grad_scale: float = 1.0,
     losses: list[Tensor] | None = None,
+    share: float = 1.0,
 ) -> tuple[ClosureResult, Tensor | None]:
     """Run Lightning's training step on ``kwargs`` and the backward of its loss times ``weight``.
 
     ``grad_scale`` multiplies the gradient the backward starts from, not the loss the hooks and loggers see (the
     step flag's hooks leave the division by the world size to it). ``losses`` receives the loss before the backward.
+    ``share`` is the piece's share of its batch, told to the backward's hooks (:func:`current_piece_share`).
 
     Returns Lightning's result of the training step (its loss not weighted) and the weighted loss, detached.
     """
@@ -137,7 +139,8 @@ def _step_and_backward(
     if loss is not None and losses is not None:
         losses.append(loss.detach())  # known before the backward, which may fail
     if loss is not None and backward_fn is not None:
-        backward_fn(loss)
+        with piece_share(share):
+            backward_fn(loss)
     return output, (loss.detach() if loss is not None else None)
 
 
@@ -165,12 +168,14 @@ class MicroBatchTrainer:
         self.whole_batches = 0  # batches that took the whole-batch path
         self.world_size = trainer.world_size
         self.rank = trainer.global_rank
-        self.rollback = StepRollback(self.pl_module)
+        # callbacks whose per-step state an attempt changes (NaNSkip's loss verdicts): a dropped attempt's goes too
+        participants = [callback for callback in trainer.callbacks if isinstance(callback, AttemptState)]
+        self.rollback = StepRollback(self.pl_module, participants)
         # synchronised BatchNorm runs collectives in every training pass: a rank that fails part way replays the
         # rest of them, and every rank runs the same micro-batches
         modules = self.pl_module.modules()
         self.sync_bn = self.world_size > 1 and any(isinstance(m, DistributedBatchNorm) for m in modules)
-        self.batch_rollback = StepRollback(self.pl_module) if self.sync_bn else None
+        self.batch_rollback = StepRollback(self.pl_module, participants) if self.sync_bn else None
         self.params: list[Tensor] = []  # listed again at every batch that needs them
         # the DDP wrap whose parameters were last checked for float16, held weakly (bucket tuning frees old wraps)
         self._half_params_of: weakref.ref | None = None
@@ -734,7 +739,7 @@ class MicroBatchTrainer:
             with self._no_sync(), capture_logs(self.pl_module, logs, samples):
                 piece_kwargs = OrderedDict(kwargs)
                 piece_kwargs["batch"] = piece
-                output, detached = _step_and_backward(loop, piece_kwargs, backward_fn, weight)
+                output, detached = _step_and_backward(loop, piece_kwargs, backward_fn, weight, share=samples / total)
         except Exception as err:
             if stashing:
                 _unstash_grads(self.params, stashed)

@@ -28,6 +28,7 @@ from lightning_mgpu.callbacks._step_verdict import (
 )
 from lightning_mgpu.utilities.device_skip import FusedRoute, MaskedStep, fused_kernel_can_skip, why_no_fused_route
 from lightning_mgpu.utilities.spike_window import SpikeWindow
+from lightning_mgpu.utilities.step_pieces import current_piece_share
 from lightning_mgpu.utilities.training_events import EventLog
 from lightning_mgpu.utilities.training_snapshot import TrainingSnapshot
 from lightning_mgpu.utilities.validation import check_bool, check_choice, check_int, check_positive
@@ -228,6 +229,9 @@ class NaNSkip(Callback):
         self._loss_spike: Tensor | None = None  # a micro-batch's loss of this step spiked
         self._norm_spike: Tensor | None = None
         self._step_losses: list[Tensor] = []
+        # a batch OOMBackoff runs in pieces: their losses so far, and the share of the batch they held
+        self._pieces_loss: Tensor | None = None
+        self._pieces_share = 0.0
         self.optimizer_steps = 0
         self._skipped = torch.zeros((), dtype=torch.long)
         self._consecutive = torch.zeros((), dtype=torch.long)
@@ -279,6 +283,7 @@ class NaNSkip(Callback):
         self._spiked = self._spiked.to(device)
         self._loss_spike = self._norm_spike = None
         self._step_losses = []
+        self._pieces_loss, self._pieces_share = None, 0.0
         self._consecutive = self._consecutive.to(device)
         self._last_bad_loss = self._last_bad_loss.to(device)
         self._last_bad_norms = None
@@ -339,11 +344,12 @@ class NaNSkip(Callback):
         # manual optimization may run several backward passes for several optimizers per batch: their losses are not
         # one series, and a flag could not be told apart per optimizer; the gradient norms are tested there
         if self._loss_window is not None and pl_module.automatic_optimization:
-            value = self._measured_loss(trainer, pl_module, loss).view(1)
-            spike = self._loss_window.is_spike(value)[0]
-            self._loss_spike = spike if self._loss_spike is None else self._loss_spike | spike
-            self._step_losses.append(value)
-            bad = spike if bad is None else bad | spike
+            value = self._batch_loss(trainer, pl_module, loss)
+            if value is not None:  # the batch's loss, whole or, after the last of its pieces, summed from them
+                spike = self._loss_window.is_spike(value)[0]
+                self._loss_spike = spike if self._loss_spike is None else self._loss_spike | spike
+                self._step_losses.append(value)
+                bad = spike if bad is None else bad | spike
         if bad is not None and self._distributed and loss.requires_grad:
             # the other ranks learn of this rank's bad loss through DDP's gradient all-reduce
             poison = torch.where(bad, math.nan, 1.0)
@@ -603,6 +609,37 @@ class NaNSkip(Callback):
         if scale is not None:
             value = value / scale.to(value.device)
         return value * trainer.accumulate_grad_batches  # Lightning divided it by the accumulation before this hook
+
+    def _batch_loss(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> Tensor | None:
+        """The batch's loss, of shape (1,), once it is known; ``None`` for a piece of a batch before its last.
+
+        OOMBackoff runs a batch that does not fit as pieces, each loss weighted by the piece's share of the batch (a
+        mean loss) or a partial sum (a sum): their sum is the batch's loss, which the window compares, as without the
+        split. A piece's own loss would be noisier than the batch's the window holds, and look like a spike.
+        """
+        share = current_piece_share()
+        value = self._measured_loss(trainer, pl_module, loss)
+        if share >= 1.0 and self._pieces_loss is None:
+            return value.view(1)
+        self._pieces_loss = value if self._pieces_loss is None else self._pieces_loss + value
+        self._pieces_share += share
+        if self._pieces_share < 1.0 - 1e-9:
+            return None
+        value, self._pieces_loss, self._pieces_share = self._pieces_loss.view(1), None, 0.0
+        return value
+
+    # ------------------------------------------------------------------------------------------ attempts
+    def save_attempt(self) -> tuple[Any, ...]:
+        """The loss verdicts so far in this optimizer step: an attempt OOMBackoff drops must not leave its own.
+
+        Without this, a rank whose dropped attempt's loss spiked would skip the step the other ranks take.
+        """
+        return self._loss_bad, self._loss_spike, len(self._step_losses), self._pieces_loss, self._pieces_share
+
+    def restore_attempt(self, saved: tuple[Any, ...]) -> None:
+        """Forget the dropped attempt's loss verdicts and losses (the tensors are replaced, never changed in place)."""
+        self._loss_bad, self._loss_spike, count, self._pieces_loss, self._pieces_share = saved
+        del self._step_losses[count:]
 
     def _norm_window(self, optimizer: Optimizer) -> SpikeWindow | None:
         """The gradient-norm window of ``optimizer`` (each optimizer's norms have their own scale), if spikes are on."""

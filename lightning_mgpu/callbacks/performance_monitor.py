@@ -347,6 +347,18 @@ class PerformanceMonitor(Callback):
         self._counts_tokens = False  # batches of this fit are not mappings: stop looking
         return None
 
+    # ------------------------------------------------------------------------------------------ attempts
+    def save_attempt(self) -> int | None:
+        """The FLOPs counted so far, while the first batch is counted: an attempt OOMBackoff drops must not count."""
+        flops = self._flops
+        return flops.counted() if flops is not None and flops.running else None
+
+    def restore_attempt(self, saved: int | None) -> None:
+        """Leave the dropped attempt's FLOPs out of the count (its redo is counted instead)."""
+        flops = self._flops
+        if saved is not None and flops is not None and flops.running:
+            flops.drop_since(saved)
+
     def _stop_counting_flops(self) -> None:
         if self._flops is None or not self._flops.running or self._timer is None:
             return

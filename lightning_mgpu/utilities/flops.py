@@ -89,6 +89,7 @@ class FlopCount:
 
     def __init__(self) -> None:
         self._mode: FlopCounterMode | None = None
+        self._dropped = 0  # counted in attempts that were dropped and redone
         self.total: int | None = None
         # whether a count is in progress (a plain attribute: the training loop reads it every batch)
         self.running = False
@@ -99,6 +100,15 @@ class FlopCount:
             self._mode = FlopCounterMode(display=False)
             self._mode.__enter__()
             self.running = True
+            self._dropped = 0
+
+    def counted(self) -> int:
+        """The FLOPs counted so far in the count under way (0 if none is)."""
+        return int(self._mode.get_total_flops()) if self._mode is not None else 0
+
+    def drop_since(self, counted: int) -> None:
+        """Leave out of the count what was counted since :meth:`counted` returned ``counted`` (a dropped attempt)."""
+        self._dropped += self.counted() - counted
 
     def stop(self) -> int | None:
         """Stop counting; returns the FLOPs counted (``None`` if it was not running)."""
@@ -107,5 +117,5 @@ class FlopCount:
         if mode is None:
             return None
         mode.__exit__(None, None, None)
-        self.total = int(mode.get_total_flops())
+        self.total = int(mode.get_total_flops()) - self._dropped
         return self.total

@@ -1,6 +1,7 @@
 """Undo what a failed step did to a model as a side effect: normalization running statistics and metric states."""
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -9,18 +10,38 @@ from torchmetrics import Metric
 from lightning_mgpu import compat
 
 
+@runtime_checkable
+class AttemptState(Protocol):
+    """State an object (a callback) keeps per optimizer step that a dropped attempt must not leave behind.
+
+    :meth:`save_attempt` is called before each attempt at a batch or micro-batch and must be cheap (references, no
+    copies, where the state is replaced rather than changed in place); :meth:`restore_attempt` gets its result back
+    when the attempt is dropped.
+    """
+
+    def save_attempt(self) -> Any:
+        """What :meth:`restore_attempt` needs to undo the attempt about to run."""
+        ...
+
+    def restore_attempt(self, saved: Any) -> None:
+        """Undo what the dropped attempt changed, from :meth:`save_attempt`'s result."""
+        ...
+
+
 class StepRollback:
     """Save the state a forward pass changes as a side effect, and put it back after a failed attempt.
 
-    Covers the running statistics of every BatchNorm / InstanceNorm layer that tracks them, and the states of every
+    Covers the running statistics of every BatchNorm / InstanceNorm layer that tracks them, the states of every
     ``torchmetrics.Metric`` that is a submodule (so ``update`` calls of an attempt that ran out of memory do not
-    count). State held anywhere else (a Python counter, a list on the module) cannot be seen and is not restored.
+    count), and the per-step state of ``participants`` (:class:`AttemptState`: ``NaNSkip``'s loss verdicts, say).
+    State held anywhere else (a Python counter, a list on the module) cannot be seen and is not restored.
 
     Saving copies a few small tensors per layer into buffers allocated once (one ``_foreach_copy_`` launch on a
     GPU); restoring copies them back.
 
     Args:
         module: the model whose side-effect state is saved.
+        participants: other holders of per-step state, saved and restored with it.
 
     Example::
 
@@ -32,7 +53,9 @@ class StepRollback:
             rollback.restore()
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, participants: Sequence[AttemptState] = ()) -> None:
+        self._participants = list(participants)
+        self._participant_states: list[Any] = []
         self._norms = [m for m in module.modules() if isinstance(m, compat.NormBase) and m.track_running_stats]
         self._buffers: list[Tensor] = []
         self._copies: list[Tensor] | None = None
@@ -55,9 +78,12 @@ class StepRollback:
             with torch.no_grad():
                 compat.foreach_copy_(self._copies, self._buffers)
         self._metric_states = [_metric_state(metric) for metric in self._metrics]
+        self._participant_states = [participant.save_attempt() for participant in self._participants]
 
     def restore(self) -> None:
         """Put back what :meth:`save` remembered."""
+        for participant, saved in zip(self._participants, self._participant_states, strict=False):
+            participant.restore_attempt(saved)
         if self._buffers and self._copies is not None:
             with torch.no_grad():
                 compat.foreach_copy_(self._buffers, self._copies)

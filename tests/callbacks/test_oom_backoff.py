@@ -15,7 +15,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _MixedPrecision
 
-from lightning_mgpu import MultiGPUStrategy, OOMBackoff, OOMRecoveryError
+from lightning_mgpu import MultiGPUStrategy, NaNSkip, OOMBackoff, OOMRecoveryError, PerformanceMonitor
 from lightning_mgpu.callbacks import _oom_training
 from tests.helpers.oom_models import IndexedData, IndexedRegression
 from tests.helpers.trainer import QUIET, RecordingLogger
@@ -103,6 +103,39 @@ def test_ddp_options_a_step_in_pieces_would_get_wrong_are_refused_with_one_proce
     with pytest.raises(MisconfigurationException, match=f"OOMBackoff cannot back off a model built with .*{pattern}"):
         trainer.fit(model)
     assert trainer.global_step == 0
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_nan_skip_judges_a_split_batch_by_the_whole_batchs_loss(tmp_path, where):
+    # every batch backs off to micro-batches of 4, a whole batch probed every 2 steps and dropped when it fails.
+    # NaNSkip's loss window must hold each batch's loss, summed from its pieces, as without the split: not the
+    # pieces' noisier losses (which looked like spikes and skipped steps), nor a dropped attempt's
+    def run(oom: bool) -> tuple[NaNSkip, OOMBackoff]:
+        nan, backoff = NaNSkip(spike_zscore=3.0, spike_window=8, spike_on="loss"), OOMBackoff(probe_up_after=2)
+        oom_kwargs = dict(oom_above=4, oom_in=where) if oom else {}
+        fit(tmp_path, [nan, backoff], max_epochs=2, num_samples=64, lr=0.0, **oom_kwargs)  # the same losses each epoch
+        return nan, backoff
+
+    (split, backoff), (whole, _) = run(oom=True), run(oom=False)
+    assert (backoff.recoveries, backoff.micro_batch_size) == (1, 4)
+    assert int(split.skipped_steps) == int(whole.skipped_steps) == 0
+    assert int(split._loss_window.count) == int(whole._loss_window.count) == 8  # full: the last 8 steps' losses
+    for ours, theirs in zip(split._loss_window.statistics(), whole._loss_window.statistics(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_performance_monitor_counts_a_backed_off_batchs_flops_once(tmp_path, where):
+    # the first batch, whose FLOPs are counted, runs out of memory and is redone in micro-batches: the failed
+    # attempt's matrix products are left out of the count
+    counts = []
+    for oom_kwargs in ({}, dict(oom_above=4, oom_in=where)):
+        monitor, backoff = PerformanceMonitor(count_flops=True), OOMBackoff()
+        fit(tmp_path, [monitor, backoff], max_epochs=1, **oom_kwargs)
+        counts.append((backoff.recoveries, monitor.flops_per_sample))
+    assert counts[0][0] == 0 and counts[1][0] == 1
+    assert counts[0][1] is not None and counts[0][1] > 0
+    assert counts[1][1] == counts[0][1]
 
 
 def test_forward_oom_keeps_the_trajectory_of_accumulation_and_of_the_full_batch(tmp_path):

@@ -430,3 +430,15 @@ def test_a_model_whose_parameters_ddp_reduces_itself_is_refused_on_every_rank(tm
     assert result["rc"] == 0, result["output"][-3000:]
     for dump in dumps:
         assert dump["tuning"].reason.startswith("delay_all_reduce_named_params adds DDP's own all-reduce again")
+
+
+@pytest.mark.distributed
+def test_a_dropped_attempts_loss_spike_leaves_no_verdict_behind(tmp_path):
+    # rank 0's whole-batch loss spikes at step 8 while rank 1 runs out of memory in its forward: every rank drops the
+    # attempt and redoes the batch in micro-batches, whose loss does not spike. NaNSkip must judge the redo alone, or
+    # rank 0 would skip the step rank 1 takes and the replicas part
+    args = ("--model", "whole-batch-spikes", "--nan-skip", "--max-epochs", 5)
+    result, dumps = run_fit(tmp_path, *args, "--inject", "forward", "--rank", 1, "--oom-from-step", 8)
+    assert result["rc"] == 0, result["output"][-3000:]
+    assert [(d["recoveries"], d["skipped_steps"], d["global_step"]) for d in dumps] == [(1, 0, 10), (1, 0, 10)]
+    assert_params_close(dumps[0]["params"], dumps[1]["params"], atol=0)

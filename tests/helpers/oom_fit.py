@@ -23,7 +23,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import DataLoader, Subset
 
-from lightning_mgpu import MultiGPUStrategy, OOMBackoff
+from lightning_mgpu import MultiGPUStrategy, NaNSkip, OOMBackoff
 from tests.helpers.oom_models import IndexedData, IndexedRegression, raise_oom
 from tests.helpers.trainer import QUIET
 
@@ -108,6 +108,17 @@ class KeepsGradients(IndexedRegression):
         optimizer.zero_grad(set_to_none=False)
 
 
+class WholeBatchSpikes(IndexedRegression):
+    """Rank 0's loss spikes at optimizer step 8 when its batch runs whole, not in micro-batches: a spike only the
+    attempt that OOMBackoff drops (rank 1 runs out of memory in that step) sees."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.global_rank == 0 and self.trainer.global_step == 8 and len(batch[0]) == self.batch_size:
+            loss = loss * 100.0
+        return loss
+
+
 class SaveRankState(Callback):
     def __init__(self, out: Path, backoff: OOMBackoff | None, profile_batch: int | None = None) -> None:
         self.out, self.backoff, self.start = out, backoff, time.monotonic()
@@ -153,6 +164,7 @@ class SaveRankState(Callback):
             "whole_batches": self.whole_batches,
             "flag_carried": self.flag_carried,
             "tuning": getattr(trainer.strategy, "bucket_tuning", None),
+            "skipped_steps": next((int(c.skipped_steps) for c in trainer.callbacks if isinstance(c, NaNSkip)), None),
         }
         torch.save(state, self.out / f"rank{trainer.global_rank}.pt")
 
@@ -181,9 +193,20 @@ def main() -> None:
         "--delay-head", action="store_true", help="DDP's delay_all_reduce_named_params: the head's bias"
     )
     parser.add_argument("--batched-copy", action="store_true", help="DDP's batched_grad_copy")
+    parser.add_argument("--nan-skip", action="store_true", help="NaNSkip, with loss spikes (a window of 8)")
     parser.add_argument(
         "--model",
-        choices=["plain", "uneven", "branchy", "after-backward", "synced-log", "ignored", "unfreezes", "keeps-grads"],
+        choices=[
+            "plain",
+            "uneven",
+            "branchy",
+            "after-backward",
+            "synced-log",
+            "ignored",
+            "unfreezes",
+            "keeps-grads",
+            "whole-batch-spikes",
+        ],
         default="plain",
     )
     parser.add_argument("--profile-step", type=int, help="count the gloo collectives of this optimizer step")
@@ -198,6 +221,7 @@ def main() -> None:
         "ignored": IgnoredBias,
         "unfreezes": UnfreezesHead,
         "keeps-grads": KeepsGradients,
+        "whole-batch-spikes": WholeBatchSpikes,
     }[args.model]
     model = model_class(
         num_samples=32,
@@ -218,6 +242,8 @@ def main() -> None:
         )
     backoff = None if args.no_backoff else OOMBackoff(min_micro_batch_size=args.min_micro_batch_size)
     callbacks = [SaveRankState(args.out, backoff, args.profile_step)] + ([backoff] if backoff else [])
+    if args.nan_skip:
+        callbacks.insert(1, NaNSkip(spike_zscore=3.0, spike_window=8, spike_on="loss"))
     trainer = Trainer(
         accelerator=args.accelerator,
         devices=2,
