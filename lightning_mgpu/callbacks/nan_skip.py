@@ -331,6 +331,7 @@ class NaNSkip(Callback):
         if self._rollback is not None and self._rollback.step is None:
             # the first snapshot, once the strategy's on_train_start has put back what a checkpoint held per rank
             self._rollback.take(trainer.global_step)
+        self._pieces_loss, self._pieces_share = None, 0.0  # pieces never cross a batch: none left from the last
         if self._snapshot is None:  # the first micro-batch of an optimizer step
             self._snapshot = [buffer.detach().clone() for buffer in self._buffers]
             self._loss_bad = torch.zeros((), dtype=torch.bool, device=pl_module.device)

@@ -89,7 +89,7 @@ class FlopCount:
 
     def __init__(self) -> None:
         self._mode: FlopCounterMode | None = None
-        self._dropped = 0  # counted in attempts that were dropped and redone
+        self._drops: list[tuple[int, int]] = []  # spans of the count (start, end) in attempts dropped and redone
         self.total: int | None = None
         # whether a count is in progress (a plain attribute: the training loop reads it every batch)
         self.running = False
@@ -100,15 +100,20 @@ class FlopCount:
             self._mode = FlopCounterMode(display=False)
             self._mode.__enter__()
             self.running = True
-            self._dropped = 0
+            self._drops = []
 
     def counted(self) -> int:
         """The FLOPs counted so far in the count under way (0 if none is)."""
         return int(self._mode.get_total_flops()) if self._mode is not None else 0
 
     def drop_since(self, counted: int) -> None:
-        """Leave out of the count what was counted since :meth:`counted` returned ``counted`` (a dropped attempt)."""
-        self._dropped += self.counted() - counted
+        """Leave out of the count what was counted since :meth:`counted` returned ``counted`` (a dropped attempt).
+
+        Drops may overlap (an attempt inside a batch dropped, then the whole batch; or one attempt dropped twice):
+        each span is left out once.
+        """
+        kept = [(start, min(end, counted)) for start, end in self._drops if start < counted]
+        self._drops = [*kept, (counted, self.counted())]
 
     def stop(self) -> int | None:
         """Stop counting; returns the FLOPs counted (``None`` if it was not running)."""
@@ -117,5 +122,5 @@ class FlopCount:
         if mode is None:
             return None
         mode.__exit__(None, None, None)
-        self.total = int(mode.get_total_flops()) - self._dropped
+        self.total = int(mode.get_total_flops()) - sum(end - start for start, end in self._drops)
         return self.total

@@ -16,7 +16,9 @@ class AttemptState(Protocol):
 
     :meth:`save_attempt` is called before each attempt at a batch or micro-batch and must be cheap (references, no
     copies, where the state is replaced rather than changed in place); :meth:`restore_attempt` gets its result back
-    when the attempt is dropped.
+    when the attempt is dropped. Saves nest (a batch's, then each of its micro-batches'), and one save may be
+    restored more than once: a restore must put the state back to what it was at that save, whatever was restored
+    since, not undo a difference.
     """
 
     def save_attempt(self) -> Any:

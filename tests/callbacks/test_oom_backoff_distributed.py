@@ -441,4 +441,5 @@ def test_a_dropped_attempts_loss_spike_leaves_no_verdict_behind(tmp_path):
     result, dumps = run_fit(tmp_path, *args, "--inject", "forward", "--rank", 1, "--oom-from-step", 8)
     assert result["rc"] == 0, result["output"][-3000:]
     assert [(d["recoveries"], d["skipped_steps"], d["global_step"]) for d in dumps] == [(1, 0, 10), (1, 0, 10)]
+    assert [d["spiked_attempts"] for d in dumps] == [1, 0]  # rank 0's dropped attempt spiked, once
     assert_params_close(dumps[0]["params"], dumps[1]["params"], atol=0)

@@ -116,6 +116,7 @@ class WholeBatchSpikes(IndexedRegression):
         loss = super().training_step(batch, batch_idx)
         if self.global_rank == 0 and self.trainer.global_step == 8 and len(batch[0]) == self.batch_size:
             loss = loss * 100.0
+            self.spiked_attempts = getattr(self, "spiked_attempts", 0) + 1
         return loss
 
 
@@ -164,6 +165,7 @@ class SaveRankState(Callback):
             "whole_batches": self.whole_batches,
             "flag_carried": self.flag_carried,
             "tuning": getattr(trainer.strategy, "bucket_tuning", None),
+            "spiked_attempts": getattr(pl_module, "spiked_attempts", 0),
             "skipped_steps": next((int(c.skipped_steps) for c in trainer.callbacks if isinstance(c, NaNSkip)), None),
         }
         torch.save(state, self.out / f"rank{trainer.global_rank}.pt")

@@ -64,6 +64,36 @@ def test_counted_flops_of_a_small_transformer_match_the_analytic_count():
     assert abs(total - analytic) / analytic < 0.05, (total, analytic)
 
 
+def test_dropped_attempts_are_left_out_once_however_their_drops_overlap():
+    # what a batch that backs off with synchronized BatchNorm does: a micro-batch dropped, dropped again after a
+    # replay, then the whole batch dropped and redone; and a save taken before an earlier, wider drop
+    layer, x = nn.Linear(64, 64, bias=False), torch.randn(8, 64)
+    one = 2 * 8 * 64 * 64  # the FLOPs of one forward through the layer
+    count = FlopCount()
+    count.start()
+    batch = count.counted()
+    layer(x)  # a micro-batch that succeeded
+    piece = count.counted()
+    layer(x)  # the micro-batch that failed
+    count.drop_since(piece)
+    layer(x)  # the replay of its collectives
+    count.drop_since(piece)
+    count.drop_since(batch)  # every rank starts the batch over
+    layer(x)
+    layer(x)  # the redo, in two micro-batches
+    assert count.stop() == 2 * one
+
+    count.start()
+    outer = count.counted()
+    layer(x)
+    inner = count.counted()
+    layer(x)
+    count.drop_since(outer)
+    count.drop_since(inner)  # a save inside a span dropped already
+    layer(x)
+    assert count.stop() == one
+
+
 def test_a_count_that_was_not_started_gives_none():
     count = FlopCount()
     assert count.stop() is None and not count.running
