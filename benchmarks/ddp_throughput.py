@@ -1,4 +1,4 @@
-"""2-process CPU DDP throughput: lightning_mgpu's strategies against stock Lightning, measured in one run.
+"""2-process DDP throughput: lightning_mgpu's strategies against stock Lightning, measured in one run.
 
 The model is the one in shared/FACTS.md: an MLP 1024-1024-1024-10 (2.1M parameters), batch 32 per process, SGD,
 one thread per process, 120 steps, samples per second counted after step 5. Configurations run in alternating
@@ -10,6 +10,10 @@ each one's throughput and its ratio to stock ``strategy="ddp"``.
     python benchmarks/ddp_throughput.py --accumulate-grad-batches 2 --configs stock_ddp mgpu mgpu_oom_backoff
     python benchmarks/ddp_throughput.py --gradient-as-bucket-view --accumulate-grad-batches 2 \
         --configs stock_ddp mgpu mgpu_oom_backoff
+    python benchmarks/ddp_throughput.py --accelerator cuda --rounds 5 --configs stock_ddp mgpu mgpu_oom_backoff
+
+``--accelerator cuda`` runs the 2 processes on 2 GPUs (NCCL), the clock synchronising the GPU where it starts and
+stops; the plain torch loop ("torch") runs on the CPU only.
 
 Each measurement is a fresh ``python benchmarks/ddp_throughput.py --worker NAME``: Lightning re-runs that command
 line for rank 1, exactly as it does for a user's script.
@@ -93,7 +97,15 @@ def torch_worker(steps: int, warmup: int, batch_size: int) -> None:
         print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
-def worker(name: str, steps: int, warmup: int, batch_size: int, accumulate: int = 1, bucket_view: bool = False) -> None:
+def worker(
+    name: str,
+    steps: int,
+    warmup: int,
+    batch_size: int,
+    accumulate: int = 1,
+    bucket_view: bool = False,
+    accelerator: str = "cpu",
+) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if name == "torch":
         if accumulate != 1:
@@ -127,7 +139,7 @@ def worker(name: str, steps: int, warmup: int, batch_size: int, accumulate: int 
     if name == "mgpu_step_flag":
         callbacks.append(step_flag_carrier())
     trainer = pl.Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=2,
         strategy=strategy,
         max_steps=steps // accumulate,  # optimizer steps: ``steps`` batches either way
@@ -167,6 +179,7 @@ def measure(name: str, args: argparse.Namespace) -> dict:
     worker_args += ["--accumulate-grad-batches", str(args.accumulate_grad_batches)]
     if args.gradient_as_bucket_view:
         worker_args.append("--gradient-as-bucket-view")
+    worker_args += ["--accelerator", args.accelerator]
     return run_worker(__file__, worker_args, RESULT_PREFIX)
 
 
@@ -186,8 +199,13 @@ def main() -> None:
         action="store_true",
         help=f"gradients as views of DDP's buckets, for {', '.join(BUCKET_VIEW_CONFIGS)} (mgpu_powersgd: always)",
     )
+    parser.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu", help="cuda: 2 GPUs, NCCL")
     add_json_out(parser)
     args = parser.parse_args()
+    if args.accelerator == "cuda" and "torch" in args.configs:
+        if not args.worker:
+            print("leaving out 'torch': the plain torch loop runs on the CPU only")
+        args.configs = [c for c in args.configs if c != "torch"]
     accumulate = args.accumulate_grad_batches
     if accumulate < 1:
         parser.error(f"--accumulate-grad-batches must be at least 1, got {accumulate}")
@@ -211,13 +229,15 @@ def main() -> None:
             args.batch_size,
             args.accumulate_grad_batches,
             args.gradient_as_bucket_view,
+            args.accelerator,
         )
         return
 
     configs = [BASELINE] + [c for c in args.configs if c != BASELINE]
     print(f"machine: {describe_machine()}")
     print(
-        f"model: MLP 1024-1024-1024-10, batch {args.batch_size}/process, 2 processes, {args.steps} batches "
+        f"model: MLP 1024-1024-1024-10, batch {args.batch_size}/process, 2 processes on {args.accelerator},"
+        f" {args.steps} batches "
         f"({args.accumulate_grad_batches} per optimizer step), timed after batch {args.warmup}, "
         f"{'gradients as bucket views, ' if args.gradient_as_bucket_view else ''}"
         f"{args.rounds} alternating rounds"
