@@ -186,8 +186,20 @@ class ExactResumeHooks(Strategy):
 
     @property
     def _trainer(self) -> "pl.Trainer | None":
+        """The Trainer running a stage with the module in this process, or ``None``.
+
+        ``None`` also where the strategy holds a module that no Trainer has attached: in the main process of a
+        ``spawn`` or ``fork`` launch, which hands the module to the strategy and runs the stage in the workers. A
+        checkpoint saved there after ``fit`` has no rank's streams or epoch position to add; it holds what stock
+        Lightning saves.
+        """
         module = self.lightning_module
-        return module.trainer if module is not None else None
+        if module is None:
+            return None
+        try:
+            return module.trainer
+        except RuntimeError:  # LightningModule.trainer raises, rather than return None, for a module not attached
+            return None
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:

@@ -138,8 +138,22 @@ def test_bad_input_is_named_at_construction(kwargs, error, pattern):
         GradientClipping(**kwargs)
 
 
+def one_process_fit(callbacks: list) -> dict[str, torch.Tensor]:
+    """The reference of the 2-process fit below: one process, each step on the global batch (rank 0's 4 samples and
+    rank 1's 4), BatchNorm over all 8, as the ranks' synchronised BatchNorm normalises them."""
+    from tests.helpers.models import BatchNormClassifier
+
+    model = BatchNormClassifier(per_rank_batch=(8,), steps=4, lr=1.0)  # the same seeded initial weights
+    Trainer(accelerator="cpu", devices=1, max_steps=4, callbacks=callbacks, **QUIET).fit(model)
+    return {name: param.detach() for name, param in model.named_parameters()}
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("mode_kwargs", [{"mode": "zscore", "warmup_steps": 2}, {"mode": "agc", "clip_factor": 1e-3}])
+@pytest.mark.parametrize(
+    "mode_kwargs",
+    # z_threshold=1: the last 2 of the 4 steps clip (at the default 2.5, none would)
+    [{"mode": "zscore", "warmup_steps": 2, "z_threshold": 1.0}, {"mode": "agc", "clip_factor": 1e-3}],
+)
 def test_two_processes_clip_alike(tmp_path, mode_kwargs):
     from lightning_mgpu import MultiGPUStrategy
     from tests.helpers.models import BatchNormClassifier, RankStateDump, load_rank_dumps
@@ -157,6 +171,13 @@ def test_two_processes_clip_alike(tmp_path, mode_kwargs):
     dumps = load_rank_dumps(tmp_path)
     for name, value in dumps[0]["params"].items():
         assert torch.equal(value, dumps[1]["params"][name]), name
+    # both ranks clipped the averaged gradients as one process clips the global batch's ...
+    clipped = one_process_fit([GradientClipping(**mode_kwargs)])
+    unclipped = one_process_fit([])
+    for name, value in dumps[0]["params"].items():
+        torch.testing.assert_close(value, clipped[name], rtol=0, atol=1e-5, msg=name)
+    # ... and the clip acted: far from the same fit without it
+    assert max((clipped[name] - unclipped[name]).abs().max().item() for name in clipped) > 0.1
 
 
 def test_agc_exclude_finds_layers_built_in_configure_model():

@@ -4,6 +4,7 @@
 import gc
 from pathlib import Path
 
+import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from torch import nn
@@ -134,6 +135,7 @@ def test_a_real_cuda_oom_under_a_ddp_wrap_is_finished_and_recovered(tmp_path):
     assert trainer.global_step == 4
 
 
+@pytest.mark.distributed
 @run_if(min_cuda_gpus=2)
 def test_two_gpu_accumulation_windows_run_whole_and_recover_an_oom_on_one_rank(tmp_path):
     # NCCL: the window's last batch adds the first batch's gradients into DDP's buckets on the GPU; with no OOM the

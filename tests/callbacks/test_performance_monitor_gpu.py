@@ -7,6 +7,7 @@ Run on a machine with GPUs: ``pytest -m cuda tests/callbacks/test_performance_mo
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
@@ -66,6 +67,7 @@ def test_one_gpu_fit_logs_device_times_and_mfu():
         assert "data sheet" in monitor.peak_source
 
 
+@pytest.mark.distributed
 @run_if(min_cuda_gpus=2)
 def test_two_gpu_ddp_times_the_nccl_reduction_and_names_a_slow_rank(tmp_path):
     command = ["--out", tmp_path, "--accelerator", "cuda", "--steps", 30, "--slow-rank", 1, "--slow-ms", 30]

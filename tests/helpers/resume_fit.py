@@ -1,9 +1,10 @@
 """A 2-process CPU fit with dropout and a shuffled loader that checkpoints, can be killed, and can resume.
 
 Every rank appends the sample indices of each training batch to ``<out>/seen_rank<r>.jsonl`` (one line per step,
-flushed, so a killed attempt keeps what it trained); at the end rank 0 writes the final parameters and optimizer
-state to ``<out>/result.pt``. The training step draws from torch, numpy and Python's ``random``, seeded per rank, so
-each rank's streams differ. Run as a script (Lightning re-runs it for rank 1) or under ``torchrun``:
+flushed, so a killed attempt keeps what it trained); at the end rank 0 writes every rank's final parameters and
+optimizer state, and its own optimizer ``state_dict``, to ``<out>/result.pt``. The training step draws from torch,
+numpy and Python's ``random``, seeded per rank, so each rank's streams differ. Run as a script (Lightning re-runs it
+for rank 1) or under ``torchrun``:
 
     python tests/helpers/resume_fit.py --out /tmp/x --kill-rank 1 --kill-step 22
     python tests/helpers/resume_fit.py --out /tmp/x --resume
@@ -159,8 +160,10 @@ def main() -> None:
     optimizer["state"] = {
         index: {key: full(value) for key, value in state.items()} for index, state in optimizer["state"].items()
     }
+    optimizers = [None] * trainer.world_size
+    torch.distributed.all_gather_object(optimizers, optimizer["state"])
     if trainer.global_rank == 0:
-        record = {"parameters": gathered, "optimizer": optimizer, "step": trainer.global_step}
+        record = {"parameters": gathered, "optimizer": optimizer, "optimizers": optimizers, "step": trainer.global_step}
         torch.save(record, args.out / "result.pt")
 
 

@@ -84,10 +84,17 @@ def test_uneven_per_rank_batches_give_global_statistics(tmp_path, per_rank_batch
 
 def test_trainer_sync_batchnorm_flag_works_on_cpu(tmp_path):
     """Stock Lightning fails here with 'SyncBatchNorm layers only work with GPU modules'."""
-    model = BatchNormClassifier(per_rank_batch=(4, 4), steps=2)
-    dumps = fit_two_processes(model, tmp_path, steps=2, trainer_sync_batchnorm=True, sync_batchnorm=False)
+    model = BatchNormClassifier(per_rank_batch=(4, 4), steps=1)
+    ref_grads, ref_mean, ref_var = reference_first_step(model, (4, 4))
+    # the strategy's own sync_batchnorm off: the Trainer's flag alone turns it on
+    dumps = fit_two_processes(model, tmp_path, steps=1, trainer_sync_batchnorm=True, sync_batchnorm=False)
     assert "DistributedBatchNorm" in dumps[0]["layer_classes_during_fit"]
     assert_same_on_every_rank(dumps)
+    for dump in dumps:  # the gradients and running statistics of one process on the global batch
+        for name, grad in ref_grads.items():
+            torch.testing.assert_close(dump["first_grads"][name], grad, atol=1e-5, rtol=0)
+        torch.testing.assert_close(dump["buffers"]["net.1.running_mean"], ref_mean, atol=1e-5, rtol=0)
+        torch.testing.assert_close(dump["buffers"]["net.1.running_var"], ref_var, atol=1e-5, rtol=0)
 
 
 def test_sync_batchnorm_off_keeps_per_rank_statistics(tmp_path):

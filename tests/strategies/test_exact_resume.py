@@ -70,12 +70,27 @@ def result(out: Path) -> dict:
 
 
 def assert_bit_identical(a: dict, b: dict) -> None:
+    """Two runs ended with the same parameters on every rank and the same optimizer state on rank 0."""
     for rank_a, rank_b in zip(a["parameters"], b["parameters"], strict=True):
         for name in rank_a:
             assert torch.equal(rank_a[name], rank_b[name]), name
-    for index, state in a["optimizer"]["state"].items():
+    assert_same_optimizer_state(a["optimizer"]["state"], b["optimizer"]["state"])
+
+
+def assert_same_optimizer_state(a: dict, b: dict) -> None:
+    assert a and a.keys() == b.keys()  # an empty state would compare nothing
+    for index, state in a.items():
         for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(state[key], b["optimizer"]["state"][index][key]), (index, key)
+            assert torch.equal(state[key], b[index][key]), (index, key)
+
+
+def assert_ranks_agree(record: dict) -> None:
+    """Every rank of one run ended with rank 0's parameters and optimizer state (DDP keeps the replicas alike)."""
+    (params0, params1), (state0, state1) = record["parameters"], record["optimizers"]
+    assert params0.keys() == params1.keys()
+    for name in params0:
+        assert torch.equal(params0[name], params1[name]), name
+    assert_same_optimizer_state(state0, state1)
 
 
 def max_difference(a: dict, b: dict) -> float:
@@ -91,11 +106,12 @@ def uninterrupted(tmp_path_factory) -> Path:
 
 @needs_lightning_2_6
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(400)
 def test_killed_rank_resumes_bit_identical_and_stock_lightning_does_not(uninterrupted, tmp_path):
     reference = result(uninterrupted)
     assert reference["step"] == MAX_STEPS
-    assert_bit_identical(reference, {**reference, "parameters": reference["parameters"][::-1]})  # ranks agree
+    assert_ranks_agree(reference)
 
     killed = tmp_path / "mgpu"
     crashed = fit(killed, "--kill-rank", 1, "--kill-step", KILL_STEP, expect_ok=False)
@@ -132,6 +148,7 @@ def batches_in_order(out: Path, rank: int) -> list[tuple[int, list[int]]]:
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_sigterm_checkpoint_under_accumulation_resumes_bit_identical_with_no_batch_trained_twice(tmp_path):
     # 3 batches an optimizer step: the agreed stop is moved to the end of the step in progress, so the checkpoint
@@ -152,6 +169,7 @@ def test_sigterm_checkpoint_under_accumulation_resumes_bit_identical_with_no_bat
 
 @needs_lightning_2_6
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_torchrun_restarts_a_killed_rank_and_the_run_completes_bit_identical(uninterrupted, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
@@ -173,6 +191,7 @@ def test_torchrun_restarts_a_killed_rank_and_the_run_completes_bit_identical(uni
 
 @needs_lightning_2_6
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(400)
 def test_fsdp_killed_rank_resumes_bit_identical_from_its_sharded_checkpoint(tmp_path):
     reference, killed = tmp_path / "reference", tmp_path / "killed"
@@ -187,6 +206,7 @@ def test_fsdp_killed_rank_resumes_bit_identical_from_its_sharded_checkpoint(tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads thread names from /proc")
 @pytest.mark.timeout(200)
 def test_a_sharded_fit_leaves_no_gloo_thread_to_the_interpreters_teardown(tmp_path):
@@ -257,6 +277,7 @@ def fake_scontrol(tmp_path) -> tuple[Path, Path]:
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_requeue_signal_saves_at_one_agreed_batch_requeues_and_the_requeued_job_resumes_bit_identical(
     uninterrupted, fake_scontrol, tmp_path

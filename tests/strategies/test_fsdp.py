@@ -106,21 +106,65 @@ def test_gradient_clipping_refuses_what_needs_whole_gradients_under_fsdp():
 
 
 def test_the_packs_callbacks_run_under_fsdp_and_the_memory_monitor_reports(tmp_path):
+    from lightning.pytorch import Callback
+
+    from lightning_mgpu.utilities.sharded_tensors import local_part
+
+    class Watch(Callback):
+        """Each step's total gradient norm where this callback runs, and the parameters after each batch."""
+
+        def __init__(self):
+            self.norms, self.params = {}, {}
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            grads = [local_part(p.grad).flatten() for p in pl_module.parameters() if p.grad is not None]
+            self.norms[trainer.global_step] = torch.cat(grads).norm().item() if grads else None  # None: skipped
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.params[batch_idx] = {n: local_part(p).detach().clone() for n, p in pl_module.named_parameters()}
+
+    class SpikeAt(Callback):
+        """Gradients 10 times larger at one step, before the clipping sees them."""
+
+        def __init__(self, step):
+            self.step = step
+
+        def on_after_backward(self, trainer, pl_module):
+            if trainer.global_step == self.step:
+                for param in pl_module.parameters():
+                    param.grad.mul_(10.0)
+
     monitor = GPUMemoryMonitor(sample_hz=20)
+    skip, unclipped, clipped = NaNSkip(), Watch(), Watch()
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
         strategy=MultiGPUStrategy(mode="fsdp"),
-        max_steps=2,
+        max_steps=4,
         log_every_n_steps=1,
         logger=CSVLogger(tmp_path),
-        callbacks=[NaNSkip(), GradientClipping(mode="zscore", warmup_steps=1), monitor],
+        # the watches see the gradients before GradientClipping and after it (callbacks run in this order)
+        callbacks=[SpikeAt(3), unclipped, skip, GradientClipping(mode="zscore", warmup_steps=1), clipped, monitor],
         enable_checkpointing=False,
         enable_progress_bar=False,
     )
-    trainer.fit(TinyTransformer())
-    assert trainer.global_step == 2
+    torch.manual_seed(0)
+    trainer.fit(TinyTransformer(nan_at=(0, 1)))  # a NaN loss at step 1
+    assert trainer.global_step == 4
     assert monitor.training_peak_source == "host RSS" and monitor.training_peak_mb > 0
+    # NaNSkip skipped step 1, and only it: the parameters did not move there, and did at the other steps
+    assert skip.skipped_steps == 1
+
+    def moved(batch):
+        before, after = clipped.params[batch - 1], clipped.params[batch]
+        return max((after[name] - before[name]).abs().max().item() for name in after)
+
+    assert moved(1) == 0.0 and min(moved(2), moved(3)) > 1e-3, [moved(1), moved(2), moved(3)]
+    # the spike at step 3 was clipped to the threshold of the steps before it; step 2's norm, under it, was left alone
+    assert unclipped.norms[3] > 5 * unclipped.norms[2]
+    assert clipped.norms[3] < unclipped.norms[3] / 5
+    assert clipped.norms[3] == pytest.approx(trainer.callback_metrics["grad_norm_threshold"].item(), rel=1e-5)
+    assert clipped.norms[2] == unclipped.norms[2]
 
 
 class KilledBeforeTheRename(BaseException):

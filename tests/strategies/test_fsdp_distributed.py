@@ -84,7 +84,7 @@ def test_a_nan_in_one_ranks_shard_is_skipped_on_both_ranks(runs):
 def test_norm_clipping_under_fsdp_equals_ddp(runs):
     sharded = runs("clip_fsdp", "--steps", 12, "--clip", 0.05)
     reference = runs("clip_ddp", "--strategy", "ddp", "--steps", 12, "--clip", 0.05)
-    unclipped = runs("nan_loss", "--steps", 12, "--nan-at", 1, 5)
+    unclipped = runs("fsdp12", "--steps", 12)  # the same fit without the clip, and nothing else changed
     assert max_difference(sharded["params"], reference["params"]) <= 1e-6
     assert max_difference(sharded["params"], unclipped["params"]) > 1e-3  # the clip did act
 

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import pytest
 import torch
 from lightning.pytorch import Trainer
 
@@ -20,6 +21,7 @@ def fit(out: Path, *args: object) -> dict:
     return torch.load(out / "result.pt", weights_only=False)
 
 
+@pytest.mark.distributed
 @run_if(min_cuda_gpus=2)
 def test_nccl_fsdp_matches_ddp_with_half_the_parameters(tmp_path):
     sharded = fit(tmp_path / "fsdp", "--steps", 20)
@@ -29,6 +31,7 @@ def test_nccl_fsdp_matches_ddp_with_half_the_parameters(tmp_path):
         torch.testing.assert_close(value, reference["params"][name], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.distributed
 @run_if(min_cuda_gpus=2)
 def test_nccl_fsdp_bf16_mixed_and_clipping_train(tmp_path):
     record = fit(tmp_path / "bf16", "--steps", 20, "--precision", "bf16-mixed", "--clip", 0.5)

@@ -18,6 +18,7 @@ SCRIPT = Path(REPO) / "tests" / "helpers" / "hang_fit.py"
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("strategy", ["mgpu", "fsdp"])
 def test_a_rank_sleeping_in_its_training_step_is_named_and_every_process_exits(tmp_path, strategy):
@@ -28,6 +29,8 @@ def test_a_rank_sleeping_in_its_training_step_is_named_and_every_process_exits(t
     assert not result["hung"], result["output"][-3000:]
     assert result["rc"] == HANG_EXIT_CODE, result["output"][-3000:]
     hung_at = float((tmp_path / "hanging_rank1").read_text())
+    # a hang, not a speed: every process is to end about the 8 s hang timeout after rank 1 fell asleep, where without
+    # the watchdog rank 0 waits in a collective for the process group's 30 minutes (the 90 s kill ends that run)
     assert ended - hung_at < 35
     for rank in (0, 1):
         report = (tmp_path / f"hang_report_rank{rank}.txt").read_text()
@@ -44,6 +47,7 @@ def test_a_rank_sleeping_in_its_training_step_is_named_and_every_process_exits(t
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.timeout(150)
 def test_stock_lightning_in_the_same_case_names_no_rank_and_leaves_the_run_hanging(tmp_path):
     # stock Lightning's default process-group timeout is 30 minutes: 10 s after rank 1 fell asleep, nothing has

@@ -92,9 +92,11 @@ def test_torchrun_environment_means_ddp_without_launcher(monkeypatch):
 
 
 def test_slurm_environment_means_ddp(monkeypatch):
+    # srun started 2 tasks on one node, one per device. num_nodes=1, so the multi-node rule does not decide: the mode
+    # alone cannot tell the SLURM detection from the rule for 2 devices in a script (also DDP); the reason can
     for key, value in {
         "SLURM_NTASKS": "2",
-        "SLURM_NTASKS_PER_NODE": "1",
+        "SLURM_NTASKS_PER_NODE": "2",
         "SLURM_JOB_NAME": "train",
         "SLURM_PROCID": "0",
         "SLURM_LOCALID": "0",
@@ -103,8 +105,13 @@ def test_slurm_environment_means_ddp(monkeypatch):
         "SLURM_JOB_ID": "1",
     }.items():
         monkeypatch.setenv(key, value)
-    trainer = make_trainer(strategy="mgpu", accelerator="cpu", devices=1, num_nodes=2)
+    trainer = make_trainer(strategy="mgpu", accelerator="cpu", devices=2, num_nodes=1)
     assert trainer.strategy.choice.mode == "ddp"
+    assert trainer.strategy.choice.reason == (
+        "processes were launched by SLURMEnvironment (world size 2): DDP joins them"
+    )
+    assert trainer.strategy.cluster_environment.creates_processes_externally  # srun started them: none re-run
+    assert trainer.world_size == 2 and trainer.global_rank == 0
 
 
 def test_num_nodes_means_ddp():
