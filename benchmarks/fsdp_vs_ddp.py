@@ -9,6 +9,11 @@ process. Setups, in alternating rounds, each a fresh pair of processes launched 
 - ``fsdp_grad_op``: ``MultiGPUStrategy(mode="fsdp", sharding="grad_op")`` (parameters kept gathered from forward
   to backward).
 
+``--model tied`` ties the head's weight to the embedding's, as language models do (the pair stays with the root
+unit). ``--nodes 2`` runs every setup as 2 nodes x 2 processes, one ``torchrun`` agent a node over loopback, and
+replaces ``fsdp_grad_op`` by ``hybrid``: ``MultiGPUStrategy(mode="fsdp", sharding="hybrid")``, sharded within each
+node and replicated across them (4 processes share this machine's 2 cores then: compare within a run only).
+
 Step time is the mean over the steps after the first ``--warmup``, on rank 0. Memory is each rank's resident set
 (``/proc/self/statm``) sampled before every optimizer step and at every batch end after the warm-up, minus the
 resident set before the model was built: what training added, in one extra run per setup with glibc's
@@ -19,24 +24,31 @@ printed next to it.
 
     python benchmarks/fsdp_vs_ddp.py                     # 3 rounds of 40 steps, first 5 not timed
     python benchmarks/fsdp_vs_ddp.py --rounds 1 --steps 20
+    python benchmarks/fsdp_vs_ddp.py --model tied --nodes 2
 """
 
 import argparse
 import json
 import os
+import socket
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
-from _common import add_json_out, describe_machine, ratio_row, run_worker, write_rows
+from _common import LAUNCHER_ENV_VARS, add_json_out, describe_machine, ratio_row, run_worker, write_rows
 
 SETUPS = {"ddp": {"mode": "ddp", "bucket_cap_mb": None}, "fsdp": {"mode": "fsdp"}}
 SETUPS["fsdp_grad_op"] = {"mode": "fsdp", "sharding": "grad_op"}
-PLAN_ROWS = {"ddp": "ddp", "fsdp": "fsdp_full", "fsdp_grad_op": "fsdp_grad_op"}
+SETUPS["hybrid"] = {"mode": "fsdp", "sharding": "hybrid"}
+PLAN_ROWS = {"ddp": "ddp", "fsdp": "fsdp_full", "fsdp_grad_op": "fsdp_grad_op", "hybrid": "fsdp_hybrid"}
+PER_NODE = 2
 RESULT_PREFIX = "FSDP_VS_DDP_RESULT "
 VOCAB, CONTEXT, WIDTH, DEPTH = 256, 64, 512, 8
 
 
-def build_module(batch_size: int, steps: int):
+def build_module(batch_size: int, steps: int, tied: bool = False):
     """The benchmark's LightningModule (imports torch and Lightning when called)."""
     import lightning.pytorch as pl
     import torch
@@ -58,7 +70,9 @@ def build_module(batch_size: int, steps: int):
             super().__init__()
             self.embed = nn.Embedding(VOCAB, WIDTH)
             self.blocks = nn.ModuleList(Block() for _ in range(DEPTH))
-            self.head = nn.Linear(WIDTH, VOCAB)
+            self.head = nn.Linear(WIDTH, VOCAB, bias=not tied)
+            if tied:
+                self.head.weight = self.embed.weight
 
         def forward(self, tokens):
             x = self.embed(tokens)
@@ -75,7 +89,7 @@ def build_module(batch_size: int, steps: int):
 
         def train_dataloader(self):
             generator = torch.Generator().manual_seed(0)
-            tokens = torch.randint(0, VOCAB, (2 * batch_size * steps, CONTEXT + 1), generator=generator)
+            tokens = torch.randint(0, VOCAB, (4 * batch_size * steps, CONTEXT + 1), generator=generator)
             return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch_size)
 
     return Model()
@@ -91,7 +105,7 @@ def worker(name: str, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     baseline = process_rss_mb()
-    model = build_module(args.batch_size, args.steps)
+    model = build_module(args.batch_size, args.steps, args.model == "tied")
 
     class Measure(Callback):
         def __init__(self) -> None:
@@ -112,7 +126,8 @@ def worker(name: str, args: argparse.Namespace) -> None:
     measure = Measure()
     trainer = Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=PER_NODE,
+        num_nodes=args.nodes,
         strategy=MultiGPUStrategy(**SETUPS[name]),
         max_steps=args.steps,
         callbacks=[measure],
@@ -133,7 +148,7 @@ def plan_estimates(args: argparse.Namespace) -> dict[str, float]:
     """The memory plan's per-device totals for the benchmark model, world size 2, activations measured here."""
     import torch
 
-    from lightning_mgpu.utilities.blocks import find_repeated_blocks
+    from lightning_mgpu.utilities.blocks import sharding_units
     from lightning_mgpu.utilities.memory_plan import (
         measure_activation_bytes,
         model_memory,
@@ -142,9 +157,9 @@ def plan_estimates(args: argparse.Namespace) -> dict[str, float]:
     )
 
     torch.manual_seed(0)
-    model = build_module(args.batch_size, args.steps)
+    model = build_module(args.batch_size, args.steps, args.model == "tied")
     tokens, targets = next(iter(model.train_dataloader()))
-    blocks = find_repeated_blocks(model)
+    blocks = sharding_units(model)
     activations, checkpointed = measure_activation_bytes(
         lambda: model.training_step((tokens, targets), 0), blocks, model
     )
@@ -152,9 +167,51 @@ def plan_estimates(args: argparse.Namespace) -> dict[str, float]:
     memory = model_memory(
         model, optimizer_state_bytes(optimizer, list(model.parameters())), activations, checkpointed, blocks
     )
-    plan = plan_memory(memory, world_size=2, budget_mb=1e9, budget_source="benchmark (no limit)")
+    world, node_size = PER_NODE * args.nodes, PER_NODE if args.nodes > 1 else None
+    plan = plan_memory(
+        memory, world_size=world, budget_mb=1e9, budget_source="benchmark (no limit)", node_size=node_size
+    )
     print(plan.table())
-    return {setup: plan.row(option).total_mb for setup, option in PLAN_ROWS.items()}
+    offered = {row.option for row in plan.rows}
+    return {setup: plan.row(option).total_mb for setup, option in PLAN_ROWS.items() if option in offered}
+
+
+def run_nodes(worker_args: list[str], nodes: int, result_prefix: str, timeout: float = 900) -> dict:
+    """Run this script's worker as ``nodes`` nodes of 2 processes: one torchrun agent a node, over loopback."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV_VARS}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # torch 2.13: pytorch/pytorch#135712
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    agents = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nnodes={nodes}",
+                f"--node-rank={node}",
+                f"--nproc-per-node={PER_NODE}",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                __file__,
+                "--worker",
+                *worker_args,
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in range(nodes)
+    ]
+    outputs = [agent.communicate(timeout=timeout) for agent in agents]
+    for stdout, _ in outputs:
+        for line in stdout.splitlines():
+            if line.startswith(result_prefix):
+                return json.loads(line[len(result_prefix) :])
+    raise RuntimeError(f"{worker_args[0]} produced no result:\n{outputs[0][1][-3000:]}")
 
 
 def main() -> None:
@@ -164,43 +221,52 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5, help="first steps not timed or sampled")
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--model", choices=("mlp", "tied"), default="mlp", help="tied: the head reuses the embedding")
+    parser.add_argument("--nodes", type=int, default=1, help="2: each setup as 2 nodes x 2 processes (torchrun)")
     add_json_out(parser)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args)
         return
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    names = list(SETUPS)
+    names = ["ddp", "fsdp", "hybrid"] if args.nodes > 1 else ["ddp", "fsdp", "fsdp_grad_op"]
     print(f"machine: {describe_machine()}")
     print(
-        f"model: {DEPTH} residual MLP blocks of width {WIDTH}, vocab {VOCAB}, batch {args.batch_size}x{CONTEXT} tokens"
-        f"/process, AdamW, 2 processes (gloo, 1 thread each), {args.steps} steps, first {args.warmup} not timed, "
-        f"{args.rounds} alternating rounds"
+        f"model: {DEPTH} residual MLP blocks of width {WIDTH}, vocab {VOCAB}, head {args.model}, batch "
+        f"{args.batch_size}x{CONTEXT} tokens/process, AdamW, {args.nodes} node(s) x {PER_NODE} processes (gloo, 1 "
+        f"thread each), {args.steps} steps, first {args.warmup} not timed, {args.rounds} alternating rounds"
     )
     estimates = plan_estimates(args)
     extra = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-size", str(args.batch_size)]
+    extra += ["--model", args.model, "--nodes", str(args.nodes)]
+
+    def run(worker_args: list[str]) -> dict:
+        if args.nodes > 1:
+            return run_nodes(worker_args, args.nodes, RESULT_PREFIX)
+        return run_worker(__file__, worker_args, RESULT_PREFIX)
+
     results = []
     for round_index in range(args.rounds):
         order = names if round_index % 2 == 0 else list(reversed(names))
-        measured = {name: run_worker(__file__, [name, *extra], RESULT_PREFIX) for name in order}
+        measured = {name: run([name, *extra]) for name in order}
         results.append(measured)
         print(f"round {round_index + 1}: " + ", ".join(f"{n} {measured[n]['ms_per_step']:.1f} ms/step" for n in names))
     # memory in runs of their own: glibc raises its mmap threshold after freeing a large block and keeps such memory
     # resident; a fixed threshold returns a freed tensor's memory at once, so the resident set follows what is alive
     # (and FSDP freeing the unsharded model shows), at a cost in speed that these runs do not report
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
-    memory = {name: max(run_worker(__file__, [name, *extra], RESULT_PREFIX)["added_rss_mb"]) for name in names}
+    memory = {name: max(run([name, *extra])["added_rss_mb"]) for name in names}
     del os.environ["MALLOC_MMAP_THRESHOLD_"]
     print("memory runs: " + ", ".join(f"{n} +{memory[n]:.0f} MB/rank" for n in names))
     print(f"\n{'setup':<14}{'ms/step':>10}{'vs ddp':>9}{'added MB/rank (max over ranks)':>34}{'plan estimate MB':>18}")
     for name in names:
         step = statistics.median(r[name]["ms_per_step"] for r in results)
         ratio = statistics.median(r[name]["ms_per_step"] / r["ddp"]["ms_per_step"] for r in results)
-        print(f"{name:<14}{step:>10.1f}{ratio:>9.3f}{memory[name]:>34.0f}{estimates[name]:>18.0f}")
+        print(f"{name:<14}{step:>10.1f}{ratio:>9.3f}{memory[name]:>34.0f}{estimates.get(name, float('nan')):>18.0f}")
     rows = [
         ratio_row(
             "fsdp_vs_ddp",
-            name,
+            name if (args.model, args.nodes) == ("mlp", 1) else f"{name}_{args.model}_{args.nodes}x{PER_NODE}",
             "step time vs DDP (lower is faster)",
             [r[name]["ms_per_step"] / r["ddp"]["ms_per_step"] for r in results],
             "lower",

@@ -21,6 +21,7 @@ _EXPORTS: dict[str, str] = {
     "DataParallelStrategy": "lightning_mgpu.strategies",
     "DeviceAgnosticSyncBatchNorm": "lightning_mgpu.strategies",
     "DistributedBatchNorm": "lightning_mgpu.utilities.distributed_batchnorm",
+    "EMA": "lightning_mgpu.callbacks",
     "FSDPStrategy": "lightning_mgpu.strategies",
     "GPUMemoryMonitor": "lightning_mgpu.callbacks",
     "GPUSelectionError": "lightning_mgpu.utilities.gpu_selection",
@@ -43,6 +44,7 @@ _SUBPACKAGES = ("callbacks", "cli", "configs", "strategies", "utilities")
 
 if TYPE_CHECKING:
     from lightning_mgpu.callbacks import (
+        EMA,
         BatchSizeSearch,
         GPUMemoryMonitor,
         GradientClipping,
@@ -103,6 +105,7 @@ if not _imported_by_python_m():
     register_strategies()
 
 __all__ = [
+    "EMA",
     "BatchSizeSearch",
     "DDPStrategy",
     "DataParallelStrategy",

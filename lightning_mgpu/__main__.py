@@ -49,6 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     export.add_argument("checkpoint", help="a torch distributed checkpoint folder or a checkpoint file")
     export.add_argument("out", help="the file to write (torch.save of the state dict)")
     export.add_argument("--prefix", default="", help="keep only keys starting with this, without it (e.g. model.)")
+    export.add_argument("--ema", action="store_true", help="write the EMA callback's averaged weights")
     plan = commands.add_parser("plan", help="the memory plan of a LightningModule: DDP or how much FSDP sharding fits")
     plan.add_argument("--model", required=True, help="the LightningModule's class, package.module:ClassName")
     plan.add_argument("--init-args", default=None, help="its constructor's arguments as a JSON object")
@@ -92,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from lightning_mgpu.utilities.sharded_checkpoint import export_state_dict
 
         try:
-            state = export_state_dict(args.checkpoint, args.out, prefix=args.prefix)
+            state = export_state_dict(args.checkpoint, args.out, prefix=args.prefix, ema=args.ema)
         except (FileNotFoundError, KeyError) as err:
             export.error(str(err))
         print(f"wrote {len(state)} tensors ({sum(t.numel() for t in state.values())} elements) to {args.out}")

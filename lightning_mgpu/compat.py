@@ -649,6 +649,11 @@ def foreach_copy_(targets: list[Tensor], sources: list[Tensor]) -> None:
     torch._foreach_copy_(targets, sources)
 
 
+def foreach_lerp_(targets: list[Tensor], ends: list[Tensor], weight: float) -> None:
+    """``target += weight * (end - target)`` for every pair, in one multi-tensor kernel (``_foreach_lerp_``, 2.13)."""
+    torch._foreach_lerp_(targets, ends, weight)
+
+
 def fused_kernel_devices() -> list[str]:
     """The device types torch's fused optimizer kernels run on (``_get_fused_kernels_supported_devices``, 2.13)."""
     return _get_fused_kernels_supported_devices()

@@ -1,6 +1,7 @@
 """``FSDPStrategy``: FSDP2 sharding of an unmodified LightningModule, with its sharding units found for it."""
 
 import uuid
+import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -15,8 +16,10 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
+from torch.distributed import checkpoint as dcp
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -33,12 +36,15 @@ from lightning_mgpu.strategies.hang_watch import DEFAULT_HANG_TIMEOUT, FitHangWa
 from lightning_mgpu.strategies.preemption import SigtermAgreementHooks, release_mesh_at_exit
 from lightning_mgpu.strategies.sync_batchnorm import DeviceAgnosticSyncBatchNorm
 from lightning_mgpu.utilities.atomic_save import replace_folder, save_atomically, staging_folder
-from lightning_mgpu.utilities.blocks import apply_activation_checkpointing, check_class_names, find_repeated_blocks
+from lightning_mgpu.utilities.blocks import apply_activation_checkpointing, check_class_names, sharding_units
 from lightning_mgpu.utilities.distributed_batchnorm import has_batchnorm
-from lightning_mgpu.utilities.validation import check_bool, check_choice, check_positive
+from lightning_mgpu.utilities.sharded_state import SHARDED_CALLBACK_STATES, ShardedCallbackState
+from lightning_mgpu.utilities.validation import check_bool, check_choice, check_int, check_positive
 
-Sharding = Literal["full", "grad_op"]
-SHARDINGS: tuple[str, ...] = ("full", "grad_op")
+Sharding = Literal["full", "grad_op", "hybrid"]
+SHARDINGS: tuple[str, ...] = ("full", "grad_op", "hybrid")
+# the dimensions of hybrid sharding's device mesh: replicas across groups, shards within one
+HYBRID_MESH_DIMS = ("replicate", "shard")
 # Trainer precision -> FSDP2 parameter dtype for the forward and backward (gradients are reduced in float32)
 _PARAM_DTYPES: dict[str, torch.dtype] = {"bf16-mixed": torch.bfloat16}
 _SUPPORTED_PRECISIONS = ("32-true", "64-true", "bf16-mixed", "bf16-true", "16-true")
@@ -50,8 +56,10 @@ class FSDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, Mode
     """Shard an unmodified LightningModule's parameters, gradients and optimizer state across processes with FSDP2.
 
     No ``configure_model`` is needed: at ``setup`` the strategy finds the model's repeated blocks (the layers of a
-    transformer, see :func:`~lightning_mgpu.utilities.blocks.find_repeated_blocks`) and calls torch's ``fully_shard``
+    transformer, see :func:`~lightning_mgpu.utilities.blocks.sharding_units`) and calls torch's ``fully_shard``
     on each, then on the LightningModule itself for the parameters outside the blocks (embeddings, heads, norms).
+    Tied parameters (an output head that reuses the input embedding, as in GPT-2, BERT and T5) are never split
+    between two units: the modules that share one stay together, with the root.
     Those are gathered around each ``training_step``/``validation_step``/... call, so the module may call ``self(x)``,
     its submodules, or its parameters directly. A module that already calls ``fully_shard`` in its own
     ``configure_model`` is left as it is.
@@ -70,8 +78,14 @@ class FSDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, Mode
     Args:
         sharding: ``"full"`` shards parameters too, gathering each block for its forward and again for its backward
             (ZeRO-3); ``"grad_op"`` keeps a block's gathered parameters from its forward to its backward and shards
-            gradients and optimizer state (ZeRO-2-like: less communication, more memory).
-        shard_units: ``"auto"`` (the repeated blocks) or class names of the modules to shard as units.
+            gradients and optimizer state (ZeRO-2-like: less communication, more memory); ``"hybrid"`` shards as
+            ``"full"`` within groups of ``shard_group_size`` processes (one node by default) and replicates across the
+            groups (HSDP, a 2-D device mesh): the all-gathers stay inside a node, and only the gradient all-reduce
+            crosses nodes.
+        shard_group_size: ``"hybrid"`` only: the processes that share one copy of the sharded state; ``None`` takes
+            the processes of one node (the Trainer's ``devices``). The world size must be a multiple of it.
+        shard_units: ``"auto"`` (the repeated blocks) or class names of the modules to shard as units; a class whose
+            modules would split a tied parameter is refused at ``setup``.
         cpu_offload: keep parameter, gradient and optimizer shards in host memory (CUDA only), computing on the GPU.
         activation_checkpointing: ``None``, ``"auto"`` (the repeated blocks) or class names of modules whose
             activations are recomputed in the backward (torch's non-reentrant checkpoint).
@@ -89,18 +103,22 @@ class FSDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, Mode
         precision_plugin: set by the Trainer.
 
     Raises:
-        ValueError: an unknown ``sharding``, an empty ``shard_units`` list (at construction); at ``setup``:
-            ``precision="16-mixed"``, ``cpu_offload=True`` on CPU devices, a class name that matches no module.
+        ValueError: an unknown ``sharding``, an empty ``shard_units`` list, ``shard_group_size`` that is not a positive
+            int or is given without ``sharding="hybrid"`` (at construction); at ``setup``: ``precision="16-mixed"``,
+            ``cpu_offload=True`` on CPU devices, a class name that matches no module or whose modules split a tied
+            parameter, a world size that ``shard_group_size`` does not divide.
 
     Example::
 
         trainer = Trainer(strategy="mgpu_fsdp", devices=8, precision="bf16-mixed")
         trainer = Trainer(strategy=MultiGPUStrategy(mode="fsdp", activation_checkpointing="auto"), devices=8)
+        trainer = Trainer(strategy=MultiGPUStrategy(mode="fsdp", sharding="hybrid"), num_nodes=4, devices=8)
     """
 
     def __init__(
         self,
         sharding: Sharding = "full",
+        shard_group_size: int | None = None,
         shard_units: Literal["auto"] | list[str] = "auto",
         cpu_offload: bool = False,
         activation_checkpointing: Literal["auto"] | list[str] | None = None,
@@ -117,6 +135,7 @@ class FSDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, Mode
     ) -> None:
         owner = type(self).__name__
         check_choice(owner, "sharding", sharding, SHARDINGS)
+        check_shard_group_size(owner, sharding, shard_group_size)
         check_class_names(owner, "shard_units", shard_units, allow_none=False)
         check_class_names(owner, "activation_checkpointing", activation_checkpointing, allow_none=True)
         check_bool(owner, "cpu_offload", cpu_offload)
@@ -136,6 +155,8 @@ class FSDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, Mode
         if precision_plugin is not None:
             self.precision_plugin = precision_plugin
         self.sharding = sharding
+        self.shard_group_size = shard_group_size
+        self.shard_mesh: DeviceMesh | None = None  # the mesh the units are sharded over, built at setup_environment
         self.shard_units = shard_units
         self.cpu_offload = cpu_offload
         self.activation_checkpointing = activation_checkpointing
@@ -157,6 +178,22 @@ class FSDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, Mode
         # every fit, test or validation builds a new mesh, with new process groups: a module that shards itself in
         # configure_model, or one sharded by an earlier fit, is not sharded over it again
         release_mesh_at_exit(self.device_mesh)
+        self.shard_mesh = self.device_mesh["data_parallel"]
+        if self.sharding == "hybrid":
+            group = self.shard_group_size or self.num_processes
+            replicas = hybrid_replicas(type(self).__name__, self.world_size, group, self.shard_group_size is None)
+            # each row of this mesh (one shard group) is one node's processes where ranks are numbered node by node
+            self.shard_mesh = init_device_mesh(
+                self.root_device.type, (replicas, group), mesh_dim_names=HYBRID_MESH_DIMS
+            )
+            if self.global_rank != self.node_rank * self.num_processes + self.local_rank:
+                warnings.warn(  # on the ranks out of order: rank 0 is always node 0's first
+                    f"{type(self).__name__}(sharding='hybrid'): rank {self.global_rank} is process {self.local_rank} "
+                    f"of node {self.node_rank}: ranks are not numbered node by node, so a shard group spans nodes and "
+                    "its all-gathers leave the node. Number ranks by node (SLURM's block distribution, torchrun's).",
+                    stacklevel=2,
+                )
+        release_mesh_at_exit(self.shard_mesh)
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -193,20 +230,26 @@ class FSDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, Mode
 
     def _shard(self, module: nn.Module) -> None:
         names = {sub: name for name, sub in module.named_modules()}
-        blocks = find_repeated_blocks(module, None if self.shard_units == "auto" else self.shard_units)
+        class_names = None if self.shard_units == "auto" else self.shard_units
+        blocks = sharding_units(module, class_names, owner=type(self).__name__)
+        if not blocks:
+            rank_zero_warn(
+                f"{type(self).__name__} found no repeated blocks in {type(module).__name__}: the whole model is one "
+                "unit, gathered on every rank for the whole step, so sharding saves only gradient and optimizer "
+                "memory. Name the classes of its layers with shard_units=[...]."
+            )
         if self.activation_checkpointing is not None:
             self.checkpointed = apply_activation_checkpointing(
                 type(self).__name__, module, self.activation_checkpointing
             )
         param_dtype = _PARAM_DTYPES.get(self.precision_name)
         offload = CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()
-        mesh = self.device_mesh["data_parallel"]
-        release_mesh_at_exit(mesh)
+        mesh = self.shard_mesh
         for block in blocks:
             fully_shard(
                 block,
                 mesh=mesh,
-                reshard_after_forward=self.sharding == "full",
+                reshard_after_forward=self.sharding != "grad_op",
                 mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
                 offload_policy=offload,
             )
@@ -219,8 +262,9 @@ class FSDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, Mode
         for method in _STEP_METHODS:
             register_fsdp_forward_method(module, method)
         self.units = [names[block] for block in blocks] + [""]
+        over = f"{mesh.size()} processes" if mesh.ndim == 1 else "{} replicas of {} processes".format(*mesh.shape)
         rank_zero_info(
-            f"{type(self).__name__} sharded {type(module).__name__} over {mesh.size()} processes "
+            f"{type(self).__name__} sharded {type(module).__name__} over {over} "
             f"({self.sharding} sharding) in {len(self.units)} units: {_summarise(self.units)}"
             + (f"; activations recomputed in {len(self.checkpointed)} blocks" if self.checkpointed else "")
         )
@@ -247,6 +291,9 @@ class FSDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, Mode
                 name = staging_folder(target, uuid.uuid4().hex[:8]).name if self.is_global_zero else ""
                 staging = target.with_name(self.broadcast(name))
                 super().save_checkpoint(checkpoint, staging)
+                states = self._sharded_callback_states()
+                if states:  # a distributed checkpoint of their own, in a subfolder Lightning's loading passes over
+                    dcp.save(states, checkpoint_id=staging / SHARDED_CALLBACK_STATES)
                 if self.is_global_zero:
                     replace_folder(staging, target)
 
@@ -254,7 +301,31 @@ class FSDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, Mode
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         self._exact_resume.load(checkpoint, self.global_rank, self.world_size)
+        self._load_sharded_callback_states(Path(self.broadcast(str(checkpoint_path))))
         return checkpoint
+
+    def _sharded_callback_states(self) -> dict[str, dict[str, torch.Tensor]]:
+        trainer = self.lightning_module.trainer
+        return {
+            callback.state_key: callback.sharded_state_dict(self.lightning_module)
+            for callback in trainer.callbacks
+            if isinstance(callback, ShardedCallbackState)
+        }
+
+    def _load_sharded_callback_states(self, path: Path) -> None:
+        if not path.is_dir():  # a one-file checkpoint: the callbacks' states hold whole tensors
+            return
+        folder = path / SHARDED_CALLBACK_STATES
+        states = self._sharded_callback_states()
+        # rank 0 reads what was saved, so every rank loads the same keys (dcp.load is a collective)
+        names = list(dcp.FileSystemReader(folder).read_metadata().state_dict_metadata) if folder.is_dir() else []
+        saved = set(self.broadcast(names if self.is_global_zero else None))
+        missing = [key for key in states if not any(name.startswith(f"{key}.") for name in saved)]
+        for key in missing:
+            rank_zero_warn(f"{type(self).__name__}: {str(path)!r} holds no sharded state of the callback {key}")
+            del states[key]
+        if states:
+            dcp.load(states, checkpoint_id=folder)  # in place, into the tensors the callbacks handed over
 
     @override
     def teardown(self) -> None:
@@ -288,6 +359,36 @@ class FSDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, Mode
     def local_parameter_count(self) -> int:
         """Parameter elements this process holds (its shards), for comparing memory with DDP."""
         return sum(_local(param).numel() for param in self.lightning_module.parameters())
+
+
+def check_shard_group_size(owner: str, sharding: str, shard_group_size: int | None) -> None:
+    """Check ``shard_group_size`` against ``sharding``.
+
+    Raises:
+        TypeError: not an int or ``None``.
+        ValueError: below 1, or given with a ``sharding`` other than ``"hybrid"``.
+    """
+    check_int(owner, "shard_group_size", shard_group_size, minimum=1, allow_none=True, hint="None takes one node")
+    if shard_group_size is not None and sharding != "hybrid":
+        raise ValueError(
+            f"{owner}: shard_group_size={shard_group_size} applies to sharding='hybrid' only, got "
+            f"sharding={sharding!r}; use sharding='hybrid' or leave shard_group_size=None"
+        )
+
+
+def hybrid_replicas(owner: str, world_size: int, group: int, per_node: bool) -> int:
+    """The replicas of hybrid sharding: ``world_size`` processes in groups of ``group``.
+
+    Raises:
+        ValueError: ``group`` does not divide ``world_size``.
+    """
+    if world_size % group:
+        given = f"the {group} processes of a node" if per_node else f"shard_group_size={group}"
+        raise ValueError(
+            f"{owner}(sharding='hybrid'): {world_size} processes do not split into groups of {given}; give a "
+            f"shard_group_size that divides {world_size}"
+        )
+    return world_size // group
 
 
 def check_precision(owner: str, precision: str) -> str:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from lightning_mgpu import compat
-from lightning_mgpu.utilities.blocks import find_repeated_blocks
+from lightning_mgpu.utilities.blocks import sharding_units
 from lightning_mgpu.utilities.memory_plan import (
     MemoryPlan,
     ModelMemory,
@@ -34,6 +34,7 @@ def make_plan(
     strategy: "pl.strategies.ParallelStrategy",
     budget_mb: float | None,
     shard_units: list[str] | None = None,
+    node_size: int | None = None,
 ) -> MemoryPlan:
     """The plan every rank agrees on: the largest activation measurement and the smallest budget of all ranks.
 
@@ -43,6 +44,8 @@ def make_plan(
         budget_mb: the user's per-device budget, or ``None`` for the device's (free CUDA memory, or available host
             memory shared by this host's processes).
         shard_units: class names of the sharding units, ``None`` for the repeated blocks.
+        node_size: the processes hybrid sharding would shard over (a node's, or ``shard_group_size``); ``None``
+            offers no hybrid sharding.
 
     Raises:
         RuntimeError: the device's budget cannot be read and none was given.
@@ -50,7 +53,9 @@ def make_plan(
     module = trainer.lightning_module
     batch = strategy.batch_to_device(first_batch(trainer))
     module.to(strategy.root_device)
-    memory = measure_model(module, batch, shard_units, strategy.precision_plugin.train_step_context())
+    memory = measure_model(
+        module, batch, shard_units, strategy.precision_plugin.train_step_context(), owner=type(strategy).__name__
+    )
     budget, source = plan_budget(strategy.root_device, strategy.num_processes, budget_mb)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         # every rank must choose the same setup: the least room and the largest activations decide
@@ -65,6 +70,7 @@ def make_plan(
         budget_mb=budget,
         budget_source=source,
         cpu_offload_possible=strategy.root_device.type == "cuda",
+        node_size=node_size,
     )
 
 
@@ -73,6 +79,7 @@ def measure_model(
     batch: Any,
     shard_units: list[str] | None = None,
     step_context: AbstractContextManager | None = None,
+    owner: str = "MultiGPUStrategy",
 ) -> ModelMemory:
     """Measure ``module`` on ``batch``: one ``training_step`` forward (no backward), leaving no trace.
 
@@ -84,8 +91,9 @@ def measure_model(
         batch: one micro-batch as the training loop would pass it.
         shard_units: class names of the sharding units, ``None`` for the repeated blocks.
         step_context: the precision plugin's training-step context (autocast), if any.
+        owner: the class named in errors.
     """
-    blocks = find_repeated_blocks(module, shard_units)
+    blocks = sharding_units(module, shard_units, owner=owner)
     calls: list[LogCall] = []
     with untouched(module), capture_logs(module, calls, samples=1), step_context or nullcontext():
         activations, checkpointed = measure_activation_bytes(lambda: module.training_step(batch, 0), blocks, module)

@@ -71,9 +71,9 @@ class MultiGPUStrategy(DDPStrategy):
 
     With ``mode="auto"`` and several processes, on CUDA or wherever ``memory_budget_mb`` is given, a memory plan runs
     at ``setup`` (:mod:`lightning_mgpu.strategies.memory_planning`): the model is measured on its first micro-batch and
-    the least-sharded setup that fits is chosen, DDP first, then FSDP (``grad_op``, ``full``, with activation
-    checkpointing, with CPU offload). ``trainer.strategy.plan`` holds the table; a choice other than DDP turns the
-    strategy into an :class:`FSDPStrategy` in place.
+    the least-sharded setup that fits is chosen, DDP first, then FSDP (``hybrid`` on several nodes, ``grad_op``,
+    ``full``, with activation checkpointing, with CPU offload). ``trainer.strategy.plan`` holds the table; a choice
+    other than DDP turns the strategy into an :class:`FSDPStrategy` in place.
 
     Args:
         mode: ``"auto"`` (the table above) or a forced ``"single"``, ``"dp"``, ``"ddp"``, ``"ddp_spawn"``,
@@ -96,8 +96,10 @@ class MultiGPUStrategy(DDPStrategy):
         comm_hook_candidates: the hooks ``comm_hook="auto"`` may choose, from ``"fp16"`` and ``"bf16"``.
         powersgd_rank: rank of the PowerSGD approximation.
         powersgd_warmup_steps: exact all-reduce steps before PowerSGD compresses.
-        sharding: FSDP only: ``"full"`` (parameters, gradients, optimizer state) or ``"grad_op"`` (gradients and
-            optimizer state; parameters gathered from forward to backward).
+        sharding: FSDP only: ``"full"`` (parameters, gradients, optimizer state), ``"grad_op"`` (gradients and
+            optimizer state; parameters gathered from forward to backward) or ``"hybrid"`` (``"full"`` within each
+            node, or each group of ``shard_group_size`` processes, replicated across them).
+        shard_group_size: FSDP ``"hybrid"`` only: processes per shard group; ``None`` takes one node's.
         shard_units: FSDP only: ``"auto"`` (the repeated blocks) or the class names of the sharding units.
         cpu_offload: FSDP only: keep the shards in host memory (CUDA).
         activation_checkpointing: DDP and FSDP: ``None``, ``"auto"`` (the repeated blocks) or class names of modules
@@ -149,6 +151,7 @@ class MultiGPUStrategy(DDPStrategy):
         powersgd_rank: int = 1,
         powersgd_warmup_steps: int = 100,
         sharding: Sharding = "full",
+        shard_group_size: int | None = None,
         shard_units: Literal["auto"] | list[str] = "auto",
         cpu_offload: bool = False,
         activation_checkpointing: Literal["auto"] | list[str] | None = None,
@@ -167,7 +170,9 @@ class MultiGPUStrategy(DDPStrategy):
         if memory_budget_mb is not None:
             check_positive(type(self).__name__, "memory_budget_mb", memory_budget_mb, unit="MB", hint="or None")
         # checked now by the class that uses them, so a bad value fails at construction in every mode
-        self.fsdp_options = dict(sharding=sharding, shard_units=shard_units, cpu_offload=cpu_offload)
+        self.fsdp_options = dict(
+            sharding=sharding, shard_group_size=shard_group_size, shard_units=shard_units, cpu_offload=cpu_offload
+        )
         FSDPStrategy(**self.fsdp_options, activation_checkpointing=activation_checkpointing)
         super().__init__(
             accelerator=accelerator,
@@ -243,7 +248,10 @@ class MultiGPUStrategy(DDPStrategy):
             return
         compat.check_lightning_internals(trainer, type(self).__name__)
         shard_units = self.fsdp_options["shard_units"]
-        self.plan = make_plan(trainer, self, self.memory_budget_mb, None if shard_units == "auto" else shard_units)
+        # hybrid sharding is offered over a node's processes on several nodes, or over a shard_group_size given
+        node_size = self.fsdp_options["shard_group_size"] or (self.num_processes if self.num_nodes > 1 else None)
+        units = None if shard_units == "auto" else shard_units
+        self.plan = make_plan(trainer, self, self.memory_budget_mb, units, node_size)
         option = require_fit(self.plan)
         rank_zero_info(f"{type(self).__name__} memory plan:\n{self.plan.table()}")
         if option == "ddp":
@@ -280,7 +288,8 @@ class MultiGPUStrategy(DDPStrategy):
                 f"the memory plan chose {option!r}: DDP needs {plan.row('ddp').total_mb:,.1f} MB a device, "
                 f"{plan.budget_mb * (1 - plan.margin):,.1f} MB are usable",
             ),
-            sharding="grad_op" if option == "fsdp_grad_op" else "full",
+            sharding={"fsdp_grad_op": "grad_op", "fsdp_hybrid": "hybrid"}.get(option, "full"),
+            shard_group_size=self.fsdp_options["shard_group_size"] if option == "fsdp_hybrid" else None,
             # "auto" only where the plan found blocks to recompute (without them the estimate counted no saving)
             activation_checkpointing="auto" if "_ac" in option and recomputes else self.activation_checkpointing,
             cpu_offload=option.endswith("offload"),

@@ -1,22 +1,35 @@
 """The repeated blocks of a model (a transformer's layers), found without help, and activation checkpointing of them.
 
-A block is a submodule with parameters whose class appears at least twice among the children of one container
-(``nn.ModuleList``, ``nn.Sequential`` or any module), the outermost such modules: for a transformer that is its layers,
-not the linear layers inside them. The blocks are FSDP's sharding units and the units activation checkpointing
-recomputes. Users name classes instead where the rule finds the wrong ones (``class_names``).
+A block is a module with parameters whose class appears at least twice among the modules of one container
+(``nn.ModuleList``, ``nn.Sequential``, ``nn.ModuleDict``): a transformer's layers, a CNN stage's residual blocks, or
+the linear layers of an ``nn.Sequential`` MLP. Repeats kept as plain attributes (``self.encoder`` and
+``self.decoder`` of one class) are blocks too when they hold layers of their own and no container inside them repeats
+anything; leaf layers side by side (GPT-2's token and position embeddings) are not. The outermost blocks are taken, and
+a ``ModuleList`` or ``ModuleDict``, which has no ``forward``, is never one: its members are looked at instead. The
+blocks are the units activation checkpointing recomputes, and FSDP's sharding units once tied parameters are kept
+together (:func:`sharding_units`). Users name classes instead where the rule finds the wrong ones (``class_names``).
 """
 
 import functools
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+_WITHOUT_FORWARD = (nn.ModuleList, nn.ModuleDict)
+
 
 def _has_parameters(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None
+
+
+def _is_leaf(module: nn.Module) -> bool:
+    # a layer whose parameters are all its own: an embedding, a linear layer, a norm
+    return not any(_has_parameters(child) for child in module.children())
 
 
 def find_repeated_blocks(module: nn.Module, class_names: Iterable[str] | None = None) -> list[nn.Module]:
@@ -38,39 +51,155 @@ def find_repeated_blocks(module: nn.Module, class_names: Iterable[str] | None = 
         ['Sequential', 'Sequential']
     """
     if class_names is not None:
-        wanted = set(class_names)
-        found = {type(sub).__name__ for sub in module.modules()}
-        missing = sorted(wanted - found)
-        if missing:
-            raise ValueError(
-                f"no submodule of {type(module).__name__} has the class name(s) {missing}; its classes are "
-                f"{sorted(found)}"
-            )
-        return _outermost(module, lambda sub: type(sub).__name__ in wanted and sub is not module)
-    return _outermost(module, _is_repeated_child_finder(module))
+        return _outermost(module, _named_classes(module, class_names))
+    return _outermost(module, _block_finder(module))
 
 
-def _is_repeated_child_finder(root: nn.Module) -> Callable[[nn.Module], bool]:
-    repeated: set[int] = set()
+def _named_classes(module: nn.Module, class_names: Iterable[str]) -> Callable[[nn.Module], bool]:
+    wanted = set(class_names)
+    found = {type(sub).__name__ for sub in module.modules()}
+    missing = sorted(wanted - found)
+    if missing:
+        raise ValueError(
+            f"no submodule of {type(module).__name__} has the class name(s) {missing}; its classes are {sorted(found)}"
+        )
+    return lambda sub: type(sub).__name__ in wanted and sub is not module
+
+
+def _repeats(children: list[nn.Module]) -> list[nn.Module]:
+    counts = Counter(type(child) for child in children)
+    return [child for child in children if counts[type(child)] >= 2]
+
+
+def _block_finder(root: nn.Module) -> Callable[[nn.Module], bool]:
+    in_containers: set[int] = set()
+    as_attributes: set[int] = set()
     for parent in root.modules():
         children = [child for child in parent.children() if _has_parameters(child)]
-        counts = Counter(type(child) for child in children)
-        repeated.update(id(child) for child in children if counts[type(child)] >= 2)
-    return lambda sub: id(sub) in repeated
+        if isinstance(parent, _CONTAINERS):
+            in_containers.update(id(child) for child in _repeats(children))
+        else:
+            as_attributes.update(id(child) for child in _repeats([c for c in children if not _is_leaf(c)]))
+
+    def is_block(module: nn.Module) -> bool:
+        if isinstance(module, _WITHOUT_FORWARD):
+            return False
+        if id(module) in in_containers:
+            return True
+        # repeated attributes (an encoder and a decoder) give way to the layers a container inside them repeats
+        return id(module) in as_attributes and not any(
+            id(inner) in in_containers for inner in module.modules() if inner is not module
+        )
+
+    return is_block
 
 
-def _outermost(root: nn.Module, is_block: Callable[[nn.Module], bool]) -> list[nn.Module]:
+def _outermost(
+    root: nn.Module, is_block: Callable[[nn.Module], bool], opened: Callable[[nn.Module], bool] = lambda _: False
+) -> list[nn.Module]:
     blocks: list[nn.Module] = []
+    seen: set[int] = set()
 
     def visit(parent: nn.Module) -> None:
         for child in parent.children():
-            if is_block(child):
+            if id(child) in seen:  # a module reachable under two names (T5's shared embedding) is visited once
+                continue
+            seen.add(id(child))
+            if is_block(child) and not opened(child):
                 blocks.append(child)
             else:
                 visit(child)
 
     visit(root)
     return blocks
+
+
+@dataclass(frozen=True)
+class TiedParameter:
+    """One parameter reachable under several names: an output head that reuses the input embedding's weight.
+
+    Attributes:
+        names: every name of it, as ``named_parameters(remove_duplicate=False)`` gives them, first one first.
+        numel: its elements (counted once).
+    """
+
+    names: tuple[str, ...]
+    numel: int
+
+
+def tied_parameters(module: nn.Module) -> list[TiedParameter]:
+    """The parameters of ``module`` that several modules hold (by identity), in the order of first appearance.
+
+    Example::
+
+        >>> net = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8, bias=False))
+        >>> net[1].weight = net[0].weight
+        >>> tied_parameters(net)
+        [TiedParameter(names=('0.weight', '1.weight'), numel=32)]
+    """
+    names: dict[int, list[str]] = defaultdict(list)
+    sizes: dict[int, int] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names[id(param)].append(name)
+        sizes[id(param)] = param.numel()
+    return [TiedParameter(tuple(found), sizes[key]) for key, found in names.items() if len(found) > 1]
+
+
+class TiedParameterSplitError(ValueError):
+    """A sharding unit holds some, but not all, of the modules that share a parameter."""
+
+
+def sharding_units(
+    module: nn.Module, class_names: Sequence[str] | None = None, owner: str = "FSDPStrategy"
+) -> list[nn.Module]:
+    """FSDP's sharding units of ``module``: its repeated blocks, never splitting a tied parameter between two units.
+
+    FSDP2 manages each parameter in one group, so every module holding a tied parameter must be in the same unit (or
+    in none, that is in the root's). With ``class_names=None`` a repeated block that holds some of a tied parameter's
+    modules but not all of them is opened: the repeated blocks inside it become the units instead, and the rest of it
+    goes to the root. For a language model whose head reuses the input embedding that leaves both with the root and the
+    transformer layers as units; T5's encoder and decoder, which share one embedding, are opened into their layers.
+
+    Args:
+        module: the model.
+        class_names: the classes to shard as units (``shard_units``), or ``None`` to find them.
+        owner: the name that error messages start with.
+
+    Raises:
+        TiedParameterSplitError: a unit of ``class_names`` would split a tied parameter; the message names the
+            parameter, a module inside the unit and one outside it.
+        ValueError: a name of ``class_names`` matches no submodule.
+    """
+    tied = tied_parameters(module)
+    module_names: dict[int, list[str]] = defaultdict(list)
+    for name, sub in module.named_modules(remove_duplicate=False):
+        module_names[id(sub)].append(name)
+
+    def split(unit: nn.Module) -> tuple[TiedParameter, str, str] | None:
+        prefixes = tuple(f"{name}." for name in module_names[id(unit)])
+        for param in tied:
+            inside = [name for name in param.names if name.startswith(prefixes)]
+            if inside and len(inside) < len(param.names):
+                outside = next(name for name in param.names if not name.startswith(prefixes))
+                return param, inside[0].rpartition(".")[0], outside.rpartition(".")[0]
+        return None
+
+    if class_names is None:
+        return _outermost(module, _block_finder(module), opened=lambda sub: split(sub) is not None)
+    units = _outermost(module, _named_classes(module, class_names))
+    for unit in units:
+        found = split(unit)
+        if found is not None:
+            param, inside, outside = found
+            unit_name = module_names[id(unit)][0]
+            raise TiedParameterSplitError(
+                f"{owner}: shard_units={list(class_names)!r} would split the tied parameter {param.names[0]!r} "
+                f"(also named {', '.join(repr(name) for name in param.names[1:])}): module {inside!r} is in the unit "
+                f"{unit_name!r} ({type(unit).__name__}) and module {outside or '<root>'!r} is outside it, and FSDP "
+                "manages a parameter in one unit only. Name classes whose modules hold every use of it, or leave "
+                f"{type(unit).__name__!r} out so that it stays with the root; shard_units='auto' does that for you."
+            )
+    return units
 
 
 def check_class_names(owner: str, name: str, value: Any, allow_none: bool) -> None:

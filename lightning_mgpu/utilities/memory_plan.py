@@ -1,7 +1,8 @@
 """Per-device training memory of each way to run a model, and the least-sharded way that fits a budget.
 
 Inputs, per model replica, in bytes: parameters P, gradients G (parameters that train), optimizer state O, buffers B,
-the parameters U of the largest sharding unit (a block; the whole model when there are none), and the activations
+the parameters U of the largest sharding unit (a block, or the root: what no block holds, such as the embeddings and a
+head tied to them, gathered for the whole step; the whole model when there are no blocks), and the activations
 one micro-batch's forward keeps for the backward, A, or Ac with every block's activations recomputed (activation
 checkpointing). With N processes, the estimate per device is:
 
@@ -9,16 +10,19 @@ checkpointing). With N processes, the estimate per device is:
 option                kept between steps and during the step         working memory (communication buffers)
 ====================  ============================================  =============================================
 ``ddp``               P + G + O + B + A                              G (DDP's gradient buckets)
+``fsdp_hybrid``       P/g + G/g + O/g + B + A                        3U
 ``fsdp_grad_op``      P/N + P + G/N + O/N + B + A                    U (the unit being reduce-scattered)
 ``fsdp_full``         P/N + G/N + O/N + B + A                        3U (two gathered units and one's gradients)
 ``fsdp_full_ac``      P/N + G/N + O/N + B + Ac                       3U
 ``fsdp_full_ac_off``  B + Ac (shards, gradients, optimizer on host)  3U
 ====================  ============================================  =============================================
 
-``fsdp_grad_op`` keeps each unit's gathered parameters from its forward to its backward (P in all); ``fsdp_full``
-gathers a unit for its forward and again for its backward. The options are tried in that order, and the first whose
-total is at most ``(1 - margin)`` of the budget is chosen. Allocator slack, the CUDA context and temporary buffers
-inside operators are not counted: the margin is there for them.
+``fsdp_hybrid`` shards as ``fsdp_full`` within each node's ``g`` processes and replicates across nodes; it is offered
+only on several nodes, with several processes each, and is tried first after DDP because its all-gathers stay
+inside a node. ``fsdp_grad_op`` keeps each unit's gathered parameters from its forward to its backward (P in all);
+``fsdp_full`` gathers a unit for its forward and again for its backward. The options are tried in that order, and
+the first whose total is at most ``(1 - margin)`` of the budget is chosen. Allocator slack, the CUDA context and
+temporary buffers inside operators are not counted: the margin is there for them.
 """
 
 from collections.abc import Callable, Sequence
@@ -30,7 +34,7 @@ from torch import nn
 
 from lightning_mgpu.utilities.host_memory import host_available_mb
 
-PlanOption = Literal["ddp", "fsdp_grad_op", "fsdp_full", "fsdp_full_ac", "fsdp_full_ac_offload"]
+PlanOption = Literal["ddp", "fsdp_hybrid", "fsdp_grad_op", "fsdp_full", "fsdp_full_ac", "fsdp_full_ac_offload"]
 PLAN_OPTIONS: tuple[PlanOption, ...] = get_args(PlanOption)
 MIB = float(2**20)
 # states kept per parameter element by torch.optim classes, in the parameter's dtype; others are assumed to keep 2
@@ -221,28 +225,38 @@ def model_memory(
     checkpointed_activation_bytes: int,
     blocks: Sequence[nn.Module] = (),
 ) -> ModelMemory:
-    """Count ``module``'s parameters, gradients and buffers, and put them with the measured numbers."""
+    """Count ``module``'s parameters (a tied one once), gradients and buffers, and put them with the measured numbers.
+
+    The largest unit is the largest block or the root, whichever holds more: the root holds every parameter outside
+    the blocks.
+    """
     params = list(module.parameters())
     unit_sizes = [sum(p.numel() * p.element_size() for p in block.parameters()) for block in blocks]
     param_bytes = sum(p.numel() * p.element_size() for p in params)
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    root_bytes = sum(p.numel() * p.element_size() for p in params if id(p) not in in_blocks)
     return ModelMemory(
         param_bytes=param_bytes,
         grad_bytes=sum(p.numel() * p.element_size() for p in params if p.requires_grad),
         optimizer_bytes=optimizer_bytes,
         buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
-        largest_unit_bytes=max(unit_sizes, default=param_bytes),
+        largest_unit_bytes=max([*unit_sizes, root_bytes]),
         activation_bytes=activation_bytes,
         checkpointed_activation_bytes=checkpointed_activation_bytes,
     )
 
 
-def _rows(memory: ModelMemory, world_size: int) -> list[tuple[PlanOption, float, float, float, float, float]]:
+def _rows(
+    memory: ModelMemory, world_size: int, node_size: int | None
+) -> list[tuple[PlanOption, float, float, float, float, float]]:
     m, n = memory, max(1, world_size)
     p, g, o, b, u = m.param_bytes, m.grad_bytes, m.optimizer_bytes, m.buffer_bytes, m.largest_unit_bytes
     a, ac = m.activation_bytes, m.checkpointed_activation_bytes
     # (option, params and buffers, grads, optimizer, activations, working), in bytes
+    hybrid = node_size is not None and 1 < node_size < n and n % node_size == 0
     return [
         ("ddp", p + b, g, o, a, g),
+        *([("fsdp_hybrid", p / node_size + b, g / node_size, o / node_size, a, 3 * u)] if hybrid else []),
         ("fsdp_grad_op", p / n + p + b, g / n, o / n, a, u),
         ("fsdp_full", p / n + b, g / n, o / n, a, 3 * u),
         ("fsdp_full_ac", p / n + b, g / n, o / n, ac, 3 * u),
@@ -257,6 +271,7 @@ def plan_memory(
     budget_source: str = "memory_budget_mb",
     margin: float = 0.1,
     cpu_offload_possible: bool = True,
+    node_size: int | None = None,
 ) -> MemoryPlan:
     """Estimate every option per device and choose the least sharded that fits ``budget_mb`` with ``margin``.
 
@@ -267,10 +282,11 @@ def plan_memory(
         budget_source: where the budget comes from, for the table.
         margin: the fraction of the budget kept free for what the estimate leaves out.
         cpu_offload_possible: whether offloading to host memory means anything (not when computing on the host).
+        node_size: the processes of one node when there are several nodes: ``fsdp_hybrid`` is offered then.
     """
     usable = budget_mb * (1 - margin)
     rows = []
-    for option, params, grads, optim, activations, working in _rows(memory, world_size):
+    for option, params, grads, optim, activations, working in _rows(memory, world_size, node_size):
         total = (params + grads + optim + activations + working) / MIB
         allowed = cpu_offload_possible or not option.endswith("offload")
         rows.append(

@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from lightning_mgpu.utilities.sharded_state import SHARDED_CALLBACK_STATES
+
 
 def load_full_checkpoint(checkpoint: str | Path) -> dict:
     """Read a sharded checkpoint folder (or a single-file checkpoint) into one dict of full tensors on the CPU."""
@@ -26,7 +28,9 @@ def load_full_checkpoint(checkpoint: str | Path) -> dict:
         return torch.load(merged, map_location="cpu", weights_only=False)
 
 
-def export_state_dict(checkpoint: str | Path, out: str | Path, prefix: str = "") -> dict[str, torch.Tensor]:
+def export_state_dict(
+    checkpoint: str | Path, out: str | Path, prefix: str = "", ema: bool = False
+) -> dict[str, torch.Tensor]:
     """Write the model's full state dict from ``checkpoint`` to the single file ``out`` and return it.
 
     Args:
@@ -34,10 +38,12 @@ def export_state_dict(checkpoint: str | Path, out: str | Path, prefix: str = "")
         out: where to ``torch.save`` the state dict.
         prefix: keep only keys starting with this (e.g. ``"model."`` for a LightningModule's ``self.model``) and
             drop it, so the result loads into that submodule's class with ``load_state_dict``.
+        ema: write the :class:`~lightning_mgpu.callbacks.EMA` average of the parameters instead of the trained ones
+            (buffers, which are not averaged, as trained).
 
     Raises:
         FileNotFoundError: ``checkpoint`` is not a checkpoint.
-        KeyError: it holds no model state, or no key starts with ``prefix``.
+        KeyError: it holds no model state, no key starts with ``prefix``, or ``ema`` and it holds no average.
 
     Example::
 
@@ -47,10 +53,43 @@ def export_state_dict(checkpoint: str | Path, out: str | Path, prefix: str = "")
     full = load_full_checkpoint(checkpoint)
     if "state_dict" not in full:
         raise KeyError(f"{checkpoint} holds no 'state_dict' (keys: {sorted(full)})")
-    state = {key[len(prefix) :]: value for key, value in full["state_dict"].items() if key.startswith(prefix)}
+    model = dict(full["state_dict"])
+    if ema:
+        model.update(averaged_weights(checkpoint, full))
+    state = {key[len(prefix) :]: value for key, value in model.items() if key.startswith(prefix)}
     if not state:
         raise KeyError(
             f"no key of {checkpoint}'s state_dict starts with {prefix!r}; keys: {sorted(full['state_dict'])}"
         )
     torch.save(state, out)
     return state
+
+
+def averaged_weights(checkpoint: str | Path, full: dict | None = None) -> dict[str, torch.Tensor]:
+    """The :class:`~lightning_mgpu.callbacks.EMA` average of the parameters that ``checkpoint`` holds, by name.
+
+    A sharded checkpoint keeps it in its ``callback_states`` subfolder, a one-file checkpoint in the callback's state.
+
+    Args:
+        checkpoint: a sharded checkpoint folder or a Lightning checkpoint file.
+        full: ``checkpoint`` already read by :func:`load_full_checkpoint`, if it was.
+
+    Raises:
+        KeyError: it holds no average, or more than one (two EMA callbacks).
+    """
+    path = Path(checkpoint)
+    if path.is_dir() and (path / SHARDED_CALLBACK_STATES / ".metadata").is_file():
+        states = load_full_checkpoint(path / SHARDED_CALLBACK_STATES)  # only EMA writes there
+    else:
+        full = full if full is not None else load_full_checkpoint(path)
+        # an EMA's state, or a subclass's: its counters beside the whole averaged tensors
+        states = {
+            key: state["weights"]
+            for key, state in full.get("callbacks", {}).items()
+            if isinstance(state, dict) and "updates" in state and isinstance(state.get("weights"), dict)
+        }
+    found = {key: weights for key, weights in states.items() if weights}
+    if len(found) != 1:
+        what = "no EMA average" if not found else f"{len(found)} EMA averages ({sorted(found)})"
+        raise KeyError(f"{checkpoint} holds {what}; train with callbacks=[EMA(...)] to export one")
+    return next(iter(found.values()))

@@ -28,27 +28,37 @@ def global_norms(tensors: list[Tensor], local_norms: Tensor) -> Tensor:
     """Turn the 2-norms of each tensor's local part into the 2-norms of the whole tensors; one all-reduce if sharded.
 
     Tensors that are not sharded are whole on every rank, so their norms pass unchanged. The all-reduce runs over the
-    mesh of the first sharded tensor (FSDP's one data-parallel dimension); meshes of more dimensions are refused.
+    mesh dimension the first sharded tensor is split on: FSDP's one data-parallel dimension, or, under hybrid
+    sharding (a 2-D mesh whose other dimension replicates), the shard dimension only, so no rank sums a replica's
+    shard twice. Tensors split over several mesh dimensions (tensor parallelism) are refused.
 
     Args:
         tensors: the tensors (gradients), some possibly sharded ``DTensor``.
         local_norms: a 1-dim fp32 tensor, the 2-norm of each ``local_part``.
 
     Raises:
-        NotImplementedError: a sharded tensor on a mesh of more than one dimension (tensor parallelism).
+        NotImplementedError: a tensor split over more than one mesh dimension, or tensors split differently.
     """
     sharded = [is_sharded(tensor) for tensor in tensors]
     if not any(sharded):
         return local_norms
-    mesh = next(tensor for tensor, flag in zip(tensors, sharded, strict=True) if flag).device_mesh
-    if mesh.ndim != 1:
+    dims = {_shard_dim(tensor) for tensor, flag in zip(tensors, sharded, strict=True) if flag}
+    first = next(tensor for tensor, flag in zip(tensors, sharded, strict=True) if flag)
+    if len(dims) != 1 or None in dims:
         raise NotImplementedError(
-            f"gradient norms over a {mesh.ndim}-dimensional device mesh (tensor parallelism) are not supported; "
-            "lightning_mgpu's callbacks handle FSDP's one data-parallel dimension"
+            "gradient norms of tensors split over different device-mesh dimensions are not supported; "
+            "lightning_mgpu's callbacks handle FSDP's data-parallel sharding, replicated or not (hybrid sharding)"
         )
-    group = mesh.get_group()
+    (dim,) = dims
+    group = first.device_mesh.get_group(dim)
     mask = torch.tensor(sharded, device=local_norms.device)
     # a whole tensor's square counts once: each of the ranks adds its 1/size share
     squares = torch.where(mask, local_norms.square(), local_norms.square() / dist.get_world_size(group))
     dist.all_reduce(squares, group=group)
     return squares.sqrt()
+
+
+def _shard_dim(tensor: DTensor) -> int | None:
+    # the one mesh dimension a DTensor is split on; None where it is split on several
+    dims = [dim for dim, placement in enumerate(tensor.placements) if placement.is_shard()]
+    return dims[0] if len(dims) == 1 else None

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_mgpu import GPUMemoryMonitor, GradientClipping, NaNSkip, OOMBackoff
@@ -196,7 +197,8 @@ def all_four(**kwargs) -> list:
 
 
 def test_the_four_fields_reach_the_drawn_bar(tmp_path):
-    trainer = fit(tmp_path, SlowModel(), all_four(), max_steps=4, log_every_n_steps=2)
+    # tqdm's bar, named: with `rich` installed (transformers brings it) Lightning's default bar is RichProgressBar
+    trainer = fit(tmp_path, SlowModel(), [*all_four(), TQDMProgressBar()], max_steps=4, log_every_n_steps=2)
     assert set(trainer.progress_bar_metrics) == FIELDS
     postfix = trainer.progress_bar_callback.train_progress_bar.postfix
     for field in FIELDS:

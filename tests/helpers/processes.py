@@ -162,13 +162,20 @@ def _run_ranks(command: list[str], env: dict[str, str], ranks: int, timeout: flo
         | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
         for rank in range(ranks)
     ]
+    return _run_together([(command, launch) for launch in launches], timeout, cwd)
+
+
+def _run_together(commands: list[tuple[list[str], dict[str, str]]], timeout: float, cwd: str | None = None) -> dict:
+    """Start every ``(command, environment)`` at once, wait for all, and kill all if one is still running at
+    ``timeout``; return :func:`run_script`'s record, ``rc`` the first non-zero exit status and ``output`` each one's
+    in turn."""
     start, hung = time.monotonic(), False
     with contextlib.ExitStack() as stack:
         # files, not pipes: a rank blocked on a full pipe no one reads yet would hold the others in a collective
-        logs = [stack.enter_context(tempfile.TemporaryFile()) for _ in launches]
+        logs = [stack.enter_context(tempfile.TemporaryFile()) for _ in commands]
         procs = [
-            subprocess.Popen(command, env=launch, cwd=cwd, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
-            for launch, log in zip(launches, logs, strict=True)
+            subprocess.Popen(command, env=env, cwd=cwd, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
+            for (command, env), log in zip(commands, logs, strict=True)
         ]
         for proc in procs:
             try:
@@ -228,3 +235,22 @@ def aborted_at_exit_after_finishing(result: dict, record_path: str | os.PathLike
     tail_is_abort = bool(lines) and lines[-1].strip() == EXIT_ABORT
     fresh = os.path.isfile(record_path) and os.path.getmtime(record_path) >= started - 1
     return result["rc"] in (-signal.SIGABRT, 128 + signal.SIGABRT) and tail_is_abort and fresh
+
+
+def run_torchrun_nodes(
+    script: str | os.PathLike, *args: object, nodes: int = 2, per_node: int = 2, timeout: float = 240
+) -> dict:
+    """Run ``script`` as ``nodes`` nodes of ``per_node`` processes: one ``torchrun`` agent a node, over loopback.
+
+    Each agent is started as a user would on its node (``--nnodes``, ``--node-rank``, ``--nproc-per-node``, node 0's
+    address and port); the scripts see torchrun's environment, so Lightning launches nothing. Returns what
+    :func:`run_script` returns, ``rc`` being the first non-zero exit status of the agents and ``output`` each agent's
+    in turn. A run still going after ``timeout`` seconds is killed with every agent's process group.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    # torch 2.13: a gloo group would otherwise read keys of the agent's store (pytorch/pytorch#135712)
+    env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    agent = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={per_node}"]
+    agent += ["--master-addr=127.0.0.1", f"--master-port={find_free_port()}"]
+    script_args = [str(script), *map(str, args)]
+    return _run_together([([*agent, f"--node-rank={node}", *script_args], env) for node in range(nodes)], timeout)
