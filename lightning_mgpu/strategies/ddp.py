@@ -338,7 +338,8 @@ class DDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, compa
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        self._tuning.on_train_batch_start()
+        if not self._tuning.settled:
+            self._tuning.on_train_batch_start()
 
     @override
     def save_checkpoint(

@@ -65,6 +65,8 @@ class DDPBucketTuning:
         self.marker: tuple[int, int] | None = None  # (epoch, validation runs) when that step started
         self.disabled_reason: str | None = None
         self.restored: BucketTuningResult | None = None  # from the checkpoint the next fit resumes
+        # nothing left to tune in this fit (decided at its first optimizer step): the strategy stops calling
+        self.settled = False
 
     @property
     def fixed_comm_hook(self) -> str | None:
@@ -84,7 +86,7 @@ class DDPBucketTuning:
     def setup(self, trainer: "pl.Trainer") -> None:
         """Start each fit from the configured setting, or from a checkpoint's tuned one; before DDP wraps the model."""
         strategy = self.strategy
-        self.tuner, self.step, self.marker = None, None, None
+        self.tuner, self.step, self.marker, self.settled = None, None, None, False
         restored, self.restored = self.restored, None
         if not (strategy.tunes_buckets and trainer.state.fn == TrainerFn.FITTING):
             return
@@ -96,9 +98,13 @@ class DDPBucketTuning:
             self._apply_restored(restored)  # DDP then wraps once, with this
 
     def on_train_batch_start(self) -> None:
-        """Start tuning at the fit's first optimizer step, then advance the tuner once per optimizer step."""
+        """Start tuning at the fit's first optimizer step, then advance the tuner once per optimizer step.
+
+        Once nothing is left to tune in the fit, :attr:`settled` says so and the strategy calls no more.
+        """
         strategy = self.strategy
         if not strategy.tunes_buckets or (strategy.bucket_tuning is not None and self.tuner is None):
+            self.settled = True
             return
         trainer = strategy.lightning_module.trainer
         if trainer.global_step == self.step:

@@ -1,7 +1,9 @@
 """The strategies' side of the hang watchdog: one :class:`HangWatchdog` per rank for a fit, fed from strategy hooks.
 
-The strategy calls :meth:`FitHangWatch.beat` from the hooks every training batch passes through (batch start,
-``training_step``, ``backward``, ``validation_step``): plain attribute writes, no collective and no host sync. Progress
+The strategy calls :meth:`FitHangWatch.on_train_batch_start` when a training batch starts and marks the phase on the
+:attr:`FitHangWatch.beating` watchdog from the hooks every batch passes through (``training_step``, ``backward``,
+``validation_step``): plain attribute writes, no collective, no host sync, and no look-up of the trainer after the
+batch's start. Progress
 is counted in training batches over the whole training (Lightning's ``batch_progress.total.ready``, restored on
 resume), so ranks compare alike under gradient accumulation and after validation. The watchdog thread is started at
 the first training batch and the first beat comes with the second, so a first step that compiles or tunes for longer
@@ -42,7 +44,11 @@ class FitHangWatch:
     def __init__(self, timeout: float | None) -> None:
         self.timeout = timeout
         self.watchdog: HangWatchdog | None = None
+        # the watchdog once training batches beat (from the second on), for the strategy's hooks to mark phases in
+        self.beating: HangWatchdog | None = None
+        self._trainer: pl.Trainer | None = None  # the fit's, while a watchdog runs
         self._batches = 0
+        self._first_batch = 0  # Lightning's count of training batches at the fit's first
 
     def setup(self, trainer: "pl.Trainer") -> None:
         """Build this rank's watchdog for a fit of several processes (it starts at the first training batch)."""
@@ -56,24 +62,21 @@ class FitHangWatch:
         self.watchdog = HangWatchdog(
             store, trainer.global_rank, trainer.world_size, self.timeout, report_dir=_report_dir(trainer)
         )
+        self._trainer = trainer
         self._batches = 0
 
-    def on_train_batch_start(self, trainer: "pl.Trainer") -> None:
-        """Start the thread at the first training batch; from the second on, beat."""
+    def on_train_batch_start(self) -> None:
+        """Start the thread at the first training batch; from the second on, beat with the batch's number."""
         watchdog = self.watchdog
         if watchdog is None:
             return
         self._batches += 1
         if self._batches == 1:
+            self._first_batch = _batch(self._trainer)
             watchdog.start()
-        else:
-            watchdog.beat(_batch(trainer), "batch_start")
-
-    def beat(self, trainer: "pl.Trainer | None", phase: str) -> None:
-        """Record progress in ``phase`` of the training batch in progress (a validation: of the last one)."""
-        watchdog = self.watchdog
-        if watchdog is not None and self._batches > 1 and trainer is not None:
-            watchdog.beat(_batch(trainer), phase)
+        else:  # counted from the first: one training batch more at every start, as Lightning's count
+            watchdog.beat(self._first_batch + self._batches - 1, "batch_start")
+            self.beating = watchdog
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -93,6 +96,8 @@ class FitHangWatch:
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog = None
+        self.beating = None
+        self._trainer = None
 
 
 def _batch(trainer: "pl.Trainer") -> int:
@@ -114,30 +119,27 @@ class HangWatchHooks(Strategy):
 
     _hang_watch: FitHangWatch
 
-    @property
-    def _watched_trainer(self) -> "pl.Trainer | None":
-        module = self.lightning_module
-        return module.trainer if module is not None else None
-
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        if (trainer := self._watched_trainer) is not None:
-            self._hang_watch.on_train_batch_start(trainer)
+        self._hang_watch.on_train_batch_start()
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._hang_watch.beat(self._watched_trainer, "forward")
+        if (watchdog := self._hang_watch.beating) is not None:
+            watchdog.mark("forward")
         return super().training_step(*args, **kwargs)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        self._hang_watch.beat(self._watched_trainer, "backward")
+        if (watchdog := self._hang_watch.beating) is not None:
+            watchdog.mark("backward")
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._hang_watch.beat(self._watched_trainer, "validation")
+        if (watchdog := self._hang_watch.beating) is not None:
+            watchdog.mark("validation")
         return super().validation_step(*args, **kwargs)
 
     @override

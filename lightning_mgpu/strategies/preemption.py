@@ -95,7 +95,7 @@ class SigtermAgreement:
     Args:
         store: a ``torch.distributed`` store shared by all ranks (a fresh prefix per fit).
         margin: batches a rank may trail the publisher: ``accumulate_grad_batches``, at least 1; re-read from the
-            trainer at every batch once installed.
+            trainer when a stop is published, once installed.
         interval: read the store every this many batches.
         cuda: the model trains on CUDA: reads wait for the previous read's event and the stop moves one
             interval later.
@@ -206,13 +206,14 @@ class SigtermAgreement:
     def at_batch_boundary(self) -> None:
         """Called by the training loop before every batch; raises ``SIGTERMException`` at the agreed batch."""
         self.batch += 1
-        if self._trainer is not None:  # accumulation may change between epochs (GradientAccumulationScheduler)
-            self.margin = max(1, self._trainer.accumulate_grad_batches)
         if (self.signalled or self.requeue_requested) and self._unpublished_reasons():
             self._publish()
-        if self.stop_batch is None and self.batch % self.interval == 0 and self._read():
-            self.stop_batch = int(self.store.get(_KEY))
-        if self.stop_batch is not None and self.batch >= self.stop_batch and self._optimizer_step_ended():
+        stop = self.stop_batch
+        if stop is None:  # the common case: one modulo a batch, a store read every interval
+            if self.batch % self.interval or not self._read():
+                return
+            stop = self.stop_batch = int(self.store.get(_KEY))
+        if self.batch >= stop and self._optimizer_step_ended():
             self._leave(at_train_end=False)
 
     def _optimizer_step_ended(self) -> bool:
@@ -233,7 +234,8 @@ class SigtermAgreement:
         One store write per epoch (a few more in the last optimizer step under ``max_steps``); the meeting at the
         end tells a rank finishing its last batch from one stuck in a batch the others do not have by it.
         """
-        if self._trainer is not None and self.world_size > 1 and _may_end_the_fit(self._trainer):
+        # installed agreements have several processes (for_trainer makes none for one), so a meeting at the end
+        if self._trainer is not None and _may_end_the_fit(self._trainer):
             self.publish_possibly_last_batch()
 
     def publish_possibly_last_batch(self) -> None:
@@ -254,6 +256,8 @@ class SigtermAgreement:
         self._publish_reasons()
         if self.published:
             return
+        if self._trainer is not None:  # accumulation may change between epochs (GradientAccumulationScheduler)
+            self.margin = max(1, self._trainer.accumulate_grad_batches)
         earliest = self.batch + self.margin + (self.interval if self.cuda else 0)
         target = -(-earliest // self.interval) * self.interval  # the first read at or after `earliest`
         # compare_set with expected "" inserts only if the key is absent: the first signalled rank wins

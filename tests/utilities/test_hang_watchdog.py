@@ -323,3 +323,12 @@ def test_a_hung_process_exits_with_the_hang_code_and_leaves_a_report(tmp_path):
     assert "sleeping_in_a_stuck_step" in report
     assert "stuck: rank 0 (step 4, phase forward)" in report
     assert "hang detected; stuck rank(s): 0; report: " in result["output"]
+
+
+def test_a_mark_moves_the_phase_and_counts_as_progress_without_a_step(stores, tmp_path):
+    _, client = stores
+    watchdog = HangWatchdog(client(), rank=0, world_size=1, timeout=5, report_dir=tmp_path, exit_process=False)
+    watchdog.beat(7, "batch_start")
+    progress = watchdog._progress
+    watchdog.mark("backward")
+    assert (watchdog.step, watchdog.phase, watchdog._progress) == (7, "backward", progress + 1)
