@@ -7,7 +7,7 @@ B A on odd ones, with nothing on ``PYTHONPATH``, so each imports its own ``light
 samples per second is taken round by round, and its median and range printed.
 
     python benchmarks/compare_installs.py --a /tmp/wave1/bin/python --b .venv/bin/python --rounds 10
-    python benchmarks/compare_installs.py --a /tmp/wave1/bin/python --b .venv/bin/python --config mgpu_no_hang_watch
+    python benchmarks/compare_installs.py --a .venv/bin/python --b .venv/bin/python --config-b mgpu_no_hang_watch
 """
 
 import argparse

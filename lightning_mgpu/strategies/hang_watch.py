@@ -3,9 +3,10 @@
 The strategy calls :meth:`FitHangWatch.on_train_batch_start` when a training batch starts and marks the phase on the
 :attr:`FitHangWatch.beating` watchdog from the hooks every batch passes through (``training_step``, ``backward``,
 ``validation_step``): plain attribute writes, no collective, no host sync, and no look-up of the trainer after the
-batch's start. Progress
-is counted in training batches over the whole training (Lightning's ``batch_progress.total.ready``, restored on
-resume), so ranks compare alike under gradient accumulation and after validation. The watchdog thread is started at
+batch's start. Progress is counted in training batches over the whole training: Lightning's
+``batch_progress.total.ready`` at the fit's first batch (restored on resume), then one more at every batch start the
+strategy sees (a batch the loader yields as ``None`` is counted by Lightning and not here), so ranks compare alike
+under gradient accumulation and after validation. The watchdog thread is started at
 the first training batch and the first beat comes with the second, so a first step that compiles or tunes for longer
 than ``hang_timeout`` is never taken for a hang. Checkpoint saves and barriers pause it on the ranks inside them, and
 no rank declares a hang while another is paused (rank 0 writing a checkpoint holds the others in a barrier).
