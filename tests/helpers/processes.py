@@ -19,6 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.helpers import warm
+from tests.helpers.warm import WarmProcess, can_start_warm
+
 
 def find_free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -26,7 +29,11 @@ def find_free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any, env: dict | None) -> None:
+    if env is not None:  # a warm start: the environment of the test, not the forkserver's
+        os.environ.clear()
+        os.environ.update(env)
+        warm.reseed()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
@@ -51,14 +58,17 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
 def run_processes(fn: Callable, world_size: int = 2, args: tuple = (), timeout: float = 120.0) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; return the results by rank.
 
-    ``fn`` must be defined at module level (spawn pickles it by name). A process that raises makes this raise
-    with its traceback; processes still running after ``timeout`` seconds are killed and this raises, so a
-    hung collective fails the test instead of stalling the suite.
+    ``fn`` must be defined at module level (it is pickled by name). The processes start warm, forked from
+    :mod:`tests.helpers.warm`'s forkserver with the test's environment (spawned, with ``MGPU_TESTS_COLD=1``). A
+    process that raises makes this raise with its traceback; processes still running after ``timeout`` seconds are
+    killed and this raises, so a hung collective fails the test instead of stalling the suite.
     """
-    ctx = mp.get_context("spawn")
+    cold = bool(os.environ.get("MGPU_TESTS_COLD"))
+    ctx = mp.get_context("spawn") if cold else warm.ready()
+    env = None if cold else dict(os.environ)
     queue = ctx.Queue()
     port = find_free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, env)) for r in range(world_size)]
     for proc in procs:
         proc.start()
     results: dict[int, Any] = {}
@@ -123,9 +133,9 @@ def run_script(
     """Run ``python script *args`` as a user would (Lightning re-runs it for the other ranks).
 
     With ``ranks``, start that many processes at once instead, as ``torchrun`` would (``LOCAL_RANK``, ``NODE_RANK``,
-    ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set: Lightning launches nothing). Their imports (3-4 s of a
-    2-core machine each) then overlap, where Lightning starts rank 1 only once rank 0 has imported everything and
-    built its Trainer. For tests of what the pack does, not of how Lightning launches.
+    ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set: Lightning launches nothing). Every rank then starts warm
+    (:mod:`tests.helpers.warm`), where Lightning starts rank 1 as a fresh interpreter (4-6 s of imports on 2 cores)
+    once rank 0 has built its Trainer. For tests of what the pack does, not of how Lightning launches.
 
     Returns ``rc`` (with ``ranks``: the first non-zero exit status by rank, else 0), ``hung``, ``seconds`` and the
     combined ``output`` (with ``ranks``: each rank's in turn). A run still going after ``timeout`` seconds is killed
@@ -136,23 +146,7 @@ def run_script(
     command = [sys.executable, str(script), *map(str, args)]
     if ranks is not None:
         return _run_ranks(command, env, ranks, timeout, cwd)
-    start = time.monotonic()
-    proc = subprocess.Popen(
-        command, env=env, cwd=cwd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-        hung = False
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        hung = True
-    return {
-        "rc": proc.returncode,
-        "hung": hung,
-        "seconds": time.monotonic() - start,
-        "output": output.decode(errors="replace"),
-    }
+    return _run_together([(command, env)], timeout, cwd)
 
 
 def _run_ranks(command: list[str], env: dict[str, str], ranks: int, timeout: float, cwd: str | None) -> dict:
@@ -168,34 +162,49 @@ def _run_ranks(command: list[str], env: dict[str, str], ranks: int, timeout: flo
 def _run_together(commands: list[tuple[list[str], dict[str, str]]], timeout: float, cwd: str | None = None) -> dict:
     """Start every ``(command, environment)`` at once, wait for all, and kill all if one is still running at
     ``timeout``; return :func:`run_script`'s record, ``rc`` the first non-zero exit status and ``output`` each one's
-    in turn."""
+    in turn.
+
+    Each command runs in a session of its own. A ``python script.py`` or ``python -m module`` command starts warm
+    (:mod:`tests.helpers.warm`: forked from a process that has imported torch and Lightning); any other, or every one
+    with ``MGPU_TESTS_COLD=1``, as a plain subprocess.
+    """
+    if any(can_start_warm(command) for command, _ in commands):
+        warm.ready()
     start, hung = time.monotonic(), False
-    with contextlib.ExitStack() as stack:
+    with tempfile.TemporaryDirectory() as logs_dir:
         # files, not pipes: a rank blocked on a full pipe no one reads yet would hold the others in a collective
-        logs = [stack.enter_context(tempfile.TemporaryFile()) for _ in commands]
-        procs = [
-            subprocess.Popen(command, env=env, cwd=cwd, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
-            for (command, env), log in zip(commands, logs, strict=True)
-        ]
+        logs = [os.path.join(logs_dir, f"{index}.log") for index in range(len(commands))]
+        procs = [_start(command, env, cwd, log) for (command, env), log in zip(commands, logs, strict=True)]
         for proc in procs:
             try:
                 proc.wait(timeout=max(0.1, start + timeout - time.monotonic()))
             except subprocess.TimeoutExpired:
                 hung = True
                 for other in procs:  # the others may wait for this one in a collective
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(other.pid, signal.SIGKILL)
+                    for kill in (os.killpg, os.kill):  # a warm start not yet in its session has no group
+                        with contextlib.suppress(ProcessLookupError, PermissionError):
+                            kill(other.pid, signal.SIGKILL)
                 proc.wait()
         outputs = []
         for log in logs:
-            log.seek(0)
-            outputs.append(log.read().decode(errors="replace"))
+            with open(log, "rb") as file:
+                outputs.append(file.read().decode(errors="replace"))
     return {
         "rc": next((proc.returncode for proc in procs if proc.returncode != 0), 0),
         "hung": hung,
         "seconds": time.monotonic() - start,
         "output": "".join(outputs),
     }
+
+
+def _start(command: list[str], env: dict[str, str], cwd: str | None, log: str) -> "subprocess.Popen | WarmProcess":
+    open(log, "wb").close()
+    if can_start_warm(command):
+        return WarmProcess(command, env, cwd, log)
+    with open(log, "ab") as file:
+        return subprocess.Popen(
+            command, env=env, cwd=cwd, start_new_session=True, stdout=file, stderr=subprocess.STDOUT
+        )
 
 
 def run_recorded_script(
