@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import sys
 
 import pytest
 
@@ -13,7 +14,7 @@ import json, os, sys
 record = {
     "argv": sys.argv, "cwd": os.getcwd(), "name": __name__, "path": sys.path[:2], "flag": os.environ.get("PROBE_FLAG"),
     "torch": "torch" in sys.modules, "pack": "lightning_mgpu" in sys.modules, "pid": os.getpid(),
-    "leader": os.getpgid(0) == os.getpid(), "rank": os.environ.get("LOCAL_RANK"),
+    "leader": os.getpgid(0) == os.getpid(), "rank": os.environ.get("LOCAL_RANK"), "orig_argv": sys.orig_argv,
 }
 if "--seed" in sys.argv:
     import torch
@@ -51,6 +52,7 @@ def test_a_script_sees_its_arguments_folder_environment_and_path_as_a_fresh_inte
     assert result["rc"] == 0, result["output"]
     seen = record(result)
     assert seen["argv"] == [str(probe), "--a", "1"]
+    assert seen["orig_argv"] == [sys.executable, str(probe), "--a", "1"]
     assert seen["cwd"] == str(tmp_path)
     assert seen["name"] == "__main__"
     assert seen["path"] == [str(tmp_path), REPO]  # the script's folder, then PYTHONPATH

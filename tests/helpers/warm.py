@@ -121,6 +121,7 @@ def _run_as_main(command: Sequence[str], env: dict[str, str], cwd: str | None, l
     first = os.getcwd() if module else os.path.dirname(os.path.abspath(command[0]))
     sys.path[:] = [first, *python_path, *path]
     sys.argv[:] = ["-m", *command[2:]] if module else list(command)  # run_module puts the module's file first
+    sys.orig_argv = [sys.executable, *command]
     reseed()
     status = 0
     try:
