@@ -10,8 +10,9 @@ import pytest
 from tests.helpers.processes import REPO, run_script
 
 PROBE = """
-import json, os, sys
+import json, multiprocessing, os, subprocess, sys
 record = {
+    "start_method": multiprocessing.get_start_method(), "process": multiprocessing.current_process().name,
     "argv": sys.argv, "cwd": os.getcwd(), "name": __name__, "path": sys.path[:2], "flag": os.environ.get("PROBE_FLAG"),
     "torch": "torch" in sys.modules, "pack": "lightning_mgpu" in sys.modules, "pid": os.getpid(),
     "leader": os.getpgid(0) == os.getpid(), "rank": os.environ.get("LOCAL_RANK"), "orig_argv": sys.orig_argv,
@@ -24,6 +25,9 @@ if "--raise" in sys.argv:
     raise RuntimeError("raised in the probe")
 if "--exit" in sys.argv:
     sys.exit(int(sys.argv[-1]))
+if "--grandchild" in sys.argv:  # as Lightning starts rank 1: it outlives this process by the given seconds
+    pause = sys.argv[-1]
+    subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({pause}); print('grandchild done', flush=True)"])
 if "--sleep" in sys.argv:
     import time
     time.sleep(60)
@@ -60,6 +64,7 @@ def test_a_script_sees_its_arguments_folder_environment_and_path_as_a_fresh_inte
     assert not seen["pack"]  # the pack is imported afresh by each script
     assert seen["leader"]  # a session of its own, so a hang is killed with everything it started
     assert seen["torch"] is not cold  # the point of a warm start
+    assert (seen["start_method"], seen["process"]) == ("fork", "MainProcess")  # its own children fork, as usual
 
 
 def test_exit_status_traceback_and_hang_are_reported_as_for_a_subprocess(probe):
@@ -85,3 +90,12 @@ def test_ranks_started_together_are_separate_processes(probe):
     seen = [json.loads(line) for line in result["output"].splitlines() if line.startswith("{")]
     assert sorted(s["rank"] for s in seen) == ["0", "1"]
     assert len({s["pid"] for s in seen} | {os.getpid()}) == 3
+
+
+def test_what_a_script_started_is_waited_for_and_killed_with_it_when_it_hangs(probe):
+    finished = run_script(probe, "--grandchild", 2, timeout=60)
+    assert (finished["rc"], finished["hung"]) == (0, False)
+    assert "grandchild done" in finished["output"]  # its output is kept: the run ended only when it did
+    hung = run_script(probe, "--grandchild", 60, timeout=5)  # outlives its parent past the timeout
+    assert hung["hung"]
+    assert "grandchild done" not in hung["output"]

@@ -175,15 +175,23 @@ def _run_together(commands: list[tuple[list[str], dict[str, str]]], timeout: flo
         # files, not pipes: a rank blocked on a full pipe no one reads yet would hold the others in a collective
         logs = [os.path.join(logs_dir, f"{index}.log") for index in range(len(commands))]
         procs = [_start(command, env, cwd, log) for (command, env), log in zip(commands, logs, strict=True)]
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.1, start + timeout - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                hung = True
-                for other in procs:  # the others may wait for this one in a collective
-                    for kill in (os.killpg, os.kill):  # a warm start not yet in its session has no group
-                        with contextlib.suppress(ProcessLookupError, PermissionError):
-                            kill(other.pid, signal.SIGKILL)
+        deadline = start + timeout
+        try:
+            for proc in procs:
+                try:
+                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    hung = True
+                    break
+            # what a command started (Lightning's rank 1, torchrun's workers) must end too, or it is a hang
+            while not hung and any(_group_alive(proc.pid) for proc in procs):
+                if time.monotonic() > deadline:
+                    hung = True
+                time.sleep(0.05)
+        finally:  # also when pytest-timeout interrupts the wait: nothing is left running
+            for proc in procs:
+                _kill_session(proc.pid, leader_running=proc.poll() is None)
+            for proc in procs:
                 proc.wait()
         outputs = []
         for log in logs:
@@ -195,6 +203,23 @@ def _run_together(commands: list[tuple[list[str], dict[str, str]]], timeout: flo
         "seconds": time.monotonic() - start,
         "output": "".join(outputs),
     }
+
+
+def _group_alive(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def _kill_session(pid: int, leader_running: bool) -> None:
+    """SIGKILL the process group a command leads (its session), and the command itself while it runs: a warm start
+    may not have made its session yet (a pid already reaped is not signalled: it may be another process's now)."""
+    kills = (os.killpg, os.kill) if leader_running else (os.killpg,)
+    for kill in kills:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            kill(pid, signal.SIGKILL)
 
 
 def _start(command: list[str], env: dict[str, str], cwd: str | None, log: str) -> "subprocess.Popen | WarmProcess":

@@ -9,6 +9,13 @@ imports the pack and the test helpers afresh, so their import-time behaviour is 
 does not see: interpreter start-up itself. Its exit runs non-daemon threads to completion and the ``atexit``
 handlers, as the interpreter would, then ends the process without tearing the interpreter down.
 
+Limits, known and accepted: every warm process has the forkserver's string-hash seed (``PYTHONHASHSEED`` of the test
+is not applied, and two ranks iterate a set of strings in the same order, where fresh ranks may not); interpreter
+teardown (module finalisation, ``__del__`` at exit) never runs, so a crash there (gloo's abort at exit) cannot show;
+environment variables read only at interpreter start (``PYTHONUNBUFFERED``, ``PYTHONWARNINGS``...) are the
+forkserver's; a package the forkserver imported (torch, Lightning and what they import) cannot be replaced by a fake
+on ``PYTHONPATH``. Tests about any of these start cold: Lightning's own launches still do.
+
 This module imports only the standard library: the forkserver imports it in every child.
 """
 
@@ -28,6 +35,9 @@ from collections.abc import Iterator, Sequence
 # third-party only: lightning_mgpu and tests.* stay out, so each script imports them as a fresh interpreter would
 PRELOAD = ("torch", "torch.distributed", "lightning.pytorch")
 _SESSION_ENVIRONMENT = dict(os.environ)
+# imported in each fork while it unpickles its target, before multiprocessing makes it a child: the server's own
+# "main process" identity, which the script gets back (a fresh `python script.py` is a main process)
+_MAIN_PROCESS = multiprocessing.current_process()
 
 
 @functools.cache
@@ -80,7 +90,7 @@ def reseed() -> None:
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
     if "torch" in sys.modules:
-        sys.modules["torch"].seed()
+        sys.modules["torch"].default_generator.seed()  # the CPU generator; CUDA's start fixed in a fresh process too
 
 
 def _exit_status(exit_: SystemExit) -> int:
@@ -108,6 +118,11 @@ def _run_as_main(command: Sequence[str], env: dict[str, str], cwd: str | None, l
     """In the fork: become ``python <command>`` (a script path, or ``-m module``), writing to ``log``; ``path`` is
     :func:`base_path`."""
     os.setsid()
+    # a main process again: its own children default to the platform's start method (fork), not the forkserver
+    multiprocessing.process._current_process = _MAIN_PROCESS
+    _MAIN_PROCESS.name = "MainProcess"  # spawn's preparation gave it the child's name
+    multiprocessing.process._parent_process = None
+    multiprocessing.context._default_context._actual_context = None
     fd = os.open(log, os.O_WRONLY | os.O_APPEND)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
