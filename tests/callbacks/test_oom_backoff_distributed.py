@@ -2,6 +2,7 @@
 injected on rank 1 only: in the forward, in the backward, and in the optimizer step; with BatchNorm synchronised
 across the ranks, and without."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -337,7 +338,7 @@ def test_a_forward_oom_early_in_a_window_with_buffers_does_not_broadcast_them_ag
 def test_an_oom_at_the_floor_early_in_a_window_is_raised_at_once_and_the_other_rank_stops(tmp_path):
     # rank 1 cannot go below 8 samples in the window's first batch. It raises at once: waiting for the window's last
     # batch would leave rank 0's synchronised self.log (a collective in every batch) unmatched. Rank 0 stops at that
-    # collective (gloo: the peer's socket closed); no step was taken
+    # collective (gloo: the peer's socket closed, read as a FIN or as a reset, as the timing falls); no step was taken
     args = ("--model", "synced-log", "--inject", "forward", "--oom-batches", 0, "--accumulate", 2)
     result, dumps = run_fit(tmp_path, *args, "--min-micro-batch-size", 8, timeout=120)
     assert result["rc"] != 0
@@ -345,7 +346,7 @@ def test_an_oom_at_the_floor_early_in_a_window_is_raised_at_once_and_the_other_r
     assert result["seconds"] < 60
     assert dumps[1]["exception"]["type"] == "OOMRecoveryError"
     assert "min_micro_batch_size=8 allows no smaller one" in dumps[1]["exception"]["message"]
-    assert "Connection closed by peer" in dumps[0]["exception"]["message"]
+    assert re.search(r"Connection (closed|reset) by peer", dumps[0]["exception"]["message"])
     assert [d["global_step"] for d in dumps] == [0, 0]
 
 
