@@ -94,7 +94,7 @@ def worker(name: str, args: argparse.Namespace) -> None:
         mode = name.split("+clip_")[-1].removesuffix("_device")
         if name.endswith("_device"):
             # the tensor arithmetic an accelerator runs, here on the CPU (whose statistics are otherwise host numbers)
-            from lightning_mgpu.utilities.clip_grad import GradNormStatistics
+            from lightning_mgpu.stability.clip_grad import GradNormStatistics
 
             GradNormStatistics._host_device_types = ()
         callbacks.append(GradientClipping(mode=mode, **({"max_norm": 1.0} if mode == "norm" else {})))

@@ -165,7 +165,7 @@ def step_flag_carrier():
     """A callback that asks the strategy to carry a StepFlag in its reduction, as OOMBackoff does, and nothing else."""
     import lightning.pytorch as pl
 
-    from lightning_mgpu.utilities.step_flag import StepFlag
+    from lightning_mgpu.ddp.step_flag import StepFlag
 
     class StepFlagCarrier(pl.Callback):
         def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

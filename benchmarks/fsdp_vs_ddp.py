@@ -19,7 +19,7 @@ Step time is the mean over the steps after the first ``--warmup``, on rank 0. Me
 resident set before the model was built: what training added, in one extra run per setup with glibc's
 ``MALLOC_MMAP_THRESHOLD_=131072``, so that a freed tensor leaves the resident set (by default glibc raises the
 threshold after a large free and keeps such memory, which would hide FSDP freeing the unsharded model). The memory
-plan's per-device estimate (``lightning_mgpu.utilities.memory_plan``, activations measured on one micro-batch) is
+plan's per-device estimate (``lightning_mgpu.fsdp.memory_plan``, activations measured on one micro-batch) is
 printed next to it.
 
     python benchmarks/fsdp_vs_ddp.py                     # 3 rounds of 40 steps, first 5 not timed
@@ -100,7 +100,7 @@ def worker(name: str, args: argparse.Namespace) -> None:
     from lightning.pytorch import Callback, Trainer
 
     from lightning_mgpu import MultiGPUStrategy
-    from lightning_mgpu.utilities.host_memory import process_rss_mb
+    from lightning_mgpu.core.host_memory import process_rss_mb
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -148,8 +148,8 @@ def plan_estimates(args: argparse.Namespace) -> dict[str, float]:
     """The memory plan's per-device totals for the benchmark model, world size 2, activations measured here."""
     import torch
 
-    from lightning_mgpu.utilities.blocks import sharding_units
-    from lightning_mgpu.utilities.memory_plan import (
+    from lightning_mgpu.core.blocks import sharding_units
+    from lightning_mgpu.fsdp.memory_plan import (
         measure_activation_bytes,
         model_memory,
         optimizer_state_bytes,

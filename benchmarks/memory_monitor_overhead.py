@@ -76,8 +76,8 @@ def worker(order: list[str], args: argparse.Namespace) -> None:
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_mgpu.callbacks.gpu_memory_monitor import GPUMemoryMonitor
-    from lightning_mgpu.utilities.memory_sampler import MemorySampler
+    from lightning_mgpu.memory.gpu_memory_monitor import GPUMemoryMonitor
+    from lightning_mgpu.memory.memory_sampler import MemorySampler
 
     torch.set_num_threads(1)
     cuda = args.device == "cuda"

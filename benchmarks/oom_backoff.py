@@ -44,7 +44,7 @@ def worker(name: str, args: argparse.Namespace) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_mgpu import OOMBackoff
-    from lightning_mgpu.utilities.host_memory import process_rss_mb
+    from lightning_mgpu.core.host_memory import process_rss_mb
     from tests.helpers.oom_models import _OOMInBackward
 
     torch.set_num_threads(1)

@@ -32,9 +32,9 @@ def main() -> None:
     import torch
     from torch import nn
 
-    from lightning_mgpu.utilities.device_skip import FusedRoute, MaskedStep
-    from lightning_mgpu.utilities.spike_window import SpikeWindow
-    from lightning_mgpu.utilities.training_snapshot import TrainingSnapshot
+    from lightning_mgpu.stability.device_skip import FusedRoute, MaskedStep
+    from lightning_mgpu.stability.spike_window import SpikeWindow
+    from lightning_mgpu.stability.training_snapshot import TrainingSnapshot
 
     torch.set_num_threads(1)
     device = torch.device(args.accelerator)

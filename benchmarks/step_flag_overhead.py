@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_mgpu.utilities.step_flag import StepFlag, register_flagged_hook
+from lightning_mgpu.ddp.step_flag import StepFlag, register_flagged_hook
 
 BUCKET_SIZES_MB = (25.0, 1.0)  # one bucket for this 8.4 MB model after the rebuild, and about nine
 CONFIGS = ("builtin", "torch_hook", "flagged", "in_place")

@@ -20,11 +20,11 @@ _EXPORTS: dict[str, str] = {
     "DDPStrategy": "lightning_mgpu.strategies",
     "DataParallelStrategy": "lightning_mgpu.strategies",
     "DeviceAgnosticSyncBatchNorm": "lightning_mgpu.strategies",
-    "DistributedBatchNorm": "lightning_mgpu.utilities.distributed_batchnorm",
+    "DistributedBatchNorm": "lightning_mgpu.core.distributed_batchnorm",
     "EMA": "lightning_mgpu.callbacks",
     "FSDPStrategy": "lightning_mgpu.strategies",
     "GPUMemoryMonitor": "lightning_mgpu.callbacks",
-    "GPUSelectionError": "lightning_mgpu.utilities.gpu_selection",
+    "GPUSelectionError": "lightning_mgpu.memory.gpu_selection",
     "GradientClipping": "lightning_mgpu.callbacks",
     "MemoryHeadroomWarning": "lightning_mgpu.callbacks",
     "MultiGPUStrategy": "lightning_mgpu.strategies",
@@ -38,9 +38,22 @@ _EXPORTS: dict[str, str] = {
     "StrategyChoice": "lightning_mgpu.strategies",
     "StragglerWarning": "lightning_mgpu.callbacks",
     "register_strategies": "lightning_mgpu.strategies",
-    "select_gpus": "lightning_mgpu.utilities.gpu_selection",
+    "select_gpus": "lightning_mgpu.memory.gpu_selection",
 }
-_SUBPACKAGES = ("callbacks", "cli", "configs", "strategies", "utilities")
+_SUBPACKAGES = (
+    "callbacks",
+    "cli",
+    "configs",
+    "core",
+    "ddp",
+    "fsdp",
+    "long_runs",
+    "memory",
+    "multi_gpu",
+    "performance",
+    "stability",
+    "strategies",
+)
 
 if TYPE_CHECKING:
     from lightning_mgpu.callbacks import (
@@ -57,6 +70,8 @@ if TYPE_CHECKING:
         RollbackLimitError,
         StragglerWarning,
     )
+    from lightning_mgpu.core.distributed_batchnorm import DistributedBatchNorm
+    from lightning_mgpu.memory.gpu_selection import GPUSelectionError, select_gpus
     from lightning_mgpu.strategies import (
         DataParallelStrategy,
         DDPStrategy,
@@ -67,8 +82,6 @@ if TYPE_CHECKING:
         StrategyChoice,
         register_strategies,
     )
-    from lightning_mgpu.utilities.distributed_batchnorm import DistributedBatchNorm
-    from lightning_mgpu.utilities.gpu_selection import GPUSelectionError, select_gpus
 
 
 def __getattr__(name: str) -> Any:

@@ -14,7 +14,7 @@ from lightning_mgpu.configs import CONFIG_NAMES, config_path, config_summary
 
 
 def _devices(text: str) -> int | str:
-    # counted by lightning_mgpu.utilities.devices, as the Trainer counts them: "0,1" and "auto" stay strings
+    # counted by lightning_mgpu.core.devices, as the Trainer counts them: "0,1" and "auto" stay strings
     try:
         return int(text)
     except ValueError:
@@ -90,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(memory_plan.table())
         return 0 if memory_plan.chosen is not None else 1
     if args.command == "export":
-        from lightning_mgpu.utilities.sharded_checkpoint import export_state_dict
+        from lightning_mgpu.fsdp.sharded_checkpoint import export_state_dict
 
         try:
             state = export_state_dict(args.checkpoint, args.out, prefix=args.prefix, ema=args.ema)

@@ -13,9 +13,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 from typing_extensions import override
 
+from lightning_mgpu.memory.batch_size import per_device_batch_size
+from lightning_mgpu.memory.gpu_selection import select_gpus
 from lightning_mgpu.strategies import unknown_strategy_message
-from lightning_mgpu.utilities.batch_size import per_device_batch_size
-from lightning_mgpu.utilities.gpu_selection import select_gpus
 
 PER_DEVICE_BATCH_RESOLVER = "mgpu.per_device_batch"
 # the default of the top-level per_device_batch_size: derived from global_batch_size when a config gives that one
@@ -33,11 +33,11 @@ def register_resolvers() -> None:
     """Register the pack's omegaconf resolvers (idempotent): batch arithmetic and GPU selection.
 
     ``${mgpu.per_device_batch:GLOBAL,DEVICES[,NUM_NODES[,ACCUMULATE[,ACCELERATOR]]]}`` resolves to
-    :func:`lightning_mgpu.utilities.batch_size.per_device_batch_size` of those values.
+    :func:`lightning_mgpu.memory.batch_size.per_device_batch_size` of those values.
     ``mgpu.derived_per_device_batch`` (the same five values) is the default of :class:`MGPULightningCLI`'s
     ``per_device_batch_size``: the same number when ``GLOBAL`` is set, else ``None``, or an error naming the keys
     that read ``${per_device_batch_size}``. ``${mgpu.free_gpus:COUNT[,MIN_FREE_MB]}`` resolves to
-    :func:`lightning_mgpu.utilities.gpu_selection.select_gpus` of those values: the indices of the ``COUNT`` visible
+    :func:`lightning_mgpu.memory.gpu_selection.select_gpus` of those values: the indices of the ``COUNT`` visible
     GPUs with the most free memory, for ``trainer.devices``.
 
     Example::

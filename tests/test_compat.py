@@ -9,7 +9,8 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_mgpu import NaNSkip, compat
+from lightning_mgpu import NaNSkip
+from lightning_mgpu.core import compat
 from lightning_mgpu.strategies import MultiGPUStrategy
 
 

@@ -211,8 +211,8 @@ def test_cpu_config_trains_two_steps_on_two_processes_with_identical_parameters(
 
 
 def test_devices_chosen_by_free_memory_in_a_config(monkeypatch):
-    import lightning_mgpu.utilities.gpu_selection as gpu_selection
-    from tests.utilities.test_gpu_selection import three_gpus
+    import lightning_mgpu.memory.gpu_selection as gpu_selection
+    from tests.memory.test_gpu_selection import three_gpus
 
     monkeypatch.setitem(sys.modules, "pynvml", three_gpus())  # free: torch 0 10 GiB, torch 1 6 GiB, torch 2 14 GiB
     monkeypatch.setattr(gpu_selection, "num_cuda_devices", lambda: 3)

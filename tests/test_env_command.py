@@ -17,9 +17,9 @@ from lightning_mgpu.commands.env import (
     environment_report,
     torch_device_lines,
 )
-from lightning_mgpu.utilities.devices import count_processes
-from lightning_mgpu.utilities.nvml import NVMLSession
-from lightning_mgpu.utilities.strategy_choice import LaunchContext, choose_strategy
+from lightning_mgpu.core.devices import count_processes
+from lightning_mgpu.core.nvml import NVMLSession
+from lightning_mgpu.core.strategy_choice import LaunchContext, choose_strategy
 from tests.helpers.fake_pynvml import FakeGPU, FakeMIG, FakeNVML, GiB, MiB
 from tests.helpers.processes import clear_launch_environment
 from tests.helpers.trainer import QUIET

@@ -11,12 +11,12 @@ import pytest
 from torch import nn
 
 from lightning_mgpu import DDPStrategy, GPUMemoryMonitor, GradientClipping, MultiGPUStrategy, NaNSkip
-from lightning_mgpu.utilities.clip_grad import GradNormStatistics
-from lightning_mgpu.utilities.comm_hooks import PowerSGDState, register_comm_hook
-from lightning_mgpu.utilities.memory_headroom import HeadroomWatch
-from lightning_mgpu.utilities.memory_sampler import MemorySampler
-from lightning_mgpu.utilities.memory_timeline import MemoryTimeline
-from lightning_mgpu.utilities.nvml import NVMLSession
+from lightning_mgpu.core.nvml import NVMLSession
+from lightning_mgpu.ddp.comm_hooks import PowerSGDState, register_comm_hook
+from lightning_mgpu.memory.memory_headroom import HeadroomWatch
+from lightning_mgpu.memory.memory_sampler import MemorySampler
+from lightning_mgpu.memory.memory_timeline import MemoryTimeline
+from lightning_mgpu.stability.clip_grad import GradNormStatistics
 
 BUILDERS = {
     "NaNSkip": NaNSkip,

@@ -1,4 +1,4 @@
-"""No module but ``lightning_mgpu/compat.py`` reaches a private name of Lightning, torch or torchmetrics.
+"""No module but ``lightning_mgpu/core/compat.py`` reaches a private name of Lightning, torch or torchmetrics.
 
 A private name is one starting with a single underscore that those libraries define. The scan reads the package's
 source: imports of private names, attribute reads and writes (on ``self`` too, when the class inherits the attribute
@@ -20,7 +20,7 @@ import torchmetrics
 import lightning_mgpu
 
 PACKAGE = pathlib.Path(lightning_mgpu.__file__).parent
-COMPAT = PACKAGE / "compat.py"
+COMPAT = PACKAGE / "core" / "compat.py"
 # calls that take an attribute name as a string
 LOOKUPS = ("getattr", "hasattr", "setattr", "delattr", "attrgetter", "get", "pop", "setdefault")
 # namedtuple's documented API, underscored so as not to clash with field names
@@ -174,7 +174,7 @@ def test_no_private_library_name_outside_the_compatibility_module():
 
 def test_the_scan_finds_a_private_name(tmp_path, monkeypatch):
     # the scan itself must fail on each kind of use it claims to catch
-    module = PACKAGE / "utilities" / "_scan_probe.py"
+    module = PACKAGE / "core" / "_scan_probe.py"
     module.write_text(
         "import torch\n"
         "from lightning.pytorch.strategies import DDPStrategy\n"

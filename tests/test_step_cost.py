@@ -63,7 +63,7 @@ def test_the_window_traced_every_step_of_every_configuration(counts):
         assert entry["batches"] == step_cost.WINDOW[1] - step_cost.WINDOW[0], config
         steps = [calls for name, (calls, _) in entry["functions"].items() if name.endswith("Classifier.training_step")]
         assert steps == [1.0], config  # the model's training_step, once a step
-    assert any("lightning_mgpu/callbacks/nan_skip.py" in name for name in counts["mgpu_nan_skip"]["functions"])
+    assert any("lightning_mgpu/stability/nan_skip.py" in name for name in counts["mgpu_nan_skip"]["functions"])
 
 
 @pytest.mark.distributed

@@ -260,7 +260,7 @@ def _sync_batchnorm(device: Any, rank: int, world: int, corrupt: bool) -> dict[s
     import torch.distributed as dist
     from torch import nn
 
-    from lightning_mgpu.utilities.distributed_batchnorm import convert_sync_batchnorm
+    from lightning_mgpu.core.distributed_batchnorm import convert_sync_batchnorm
 
     generator = torch.Generator().manual_seed(0)
     batch = torch.randn(6 * world, 3, 5, generator=generator) * 3 + 1  # the global batch, the same on every rank
@@ -298,7 +298,7 @@ def _sync_batchnorm(device: Any, rank: int, world: int, corrupt: bool) -> dict[s
 
 
 def _nvml(device: Any) -> dict[str, Any]:
-    from lightning_mgpu.utilities.nvml import NVMLSession, torch_device_uuid
+    from lightning_mgpu.core.nvml import NVMLSession, torch_device_uuid
 
     if device.type != "cuda":
         return {"result": "SKIP", "detail": "no GPU"}

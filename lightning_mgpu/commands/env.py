@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_mgpu.utilities.devices import accelerator_name, devices_per_node, is_positive_int
-from lightning_mgpu.utilities.nvml import NVMLDevice, NVMLSession, torch_device_uuid
-from lightning_mgpu.utilities.strategy_choice import (
+from lightning_mgpu.core.devices import accelerator_name, devices_per_node, is_positive_int
+from lightning_mgpu.core.nvml import NVMLDevice, NVMLSession, torch_device_uuid
+from lightning_mgpu.core.strategy_choice import (
     LaunchContext,
     StrategyChoice,
     choose_strategy,

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from lightning_mgpu.strategies.memory_planning import measure_model, plan_budget
-from lightning_mgpu.utilities.memory_plan import MemoryPlan, plan_memory
+from lightning_mgpu.fsdp.memory_plan import MemoryPlan, plan_memory
+from lightning_mgpu.fsdp.memory_planning import measure_model, plan_budget
 
 
 def load_class(path: str) -> type:

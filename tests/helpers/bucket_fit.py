@@ -7,7 +7,7 @@ parameters, the tuning result, and the setting each training step ran with (read
     python tests/helpers/bucket_fit.py --out /tmp/x --bucket auto --slow-unless 5MB:60 --max-steps 240
     python tests/helpers/bucket_fit.py --out /tmp/ref --bucket 5 --max-steps 240
 
-``--step-flag`` asks the strategy for a :class:`~lightning_mgpu.utilities.step_flag.StepFlag` and saves, per
+``--step-flag`` asks the strategy for a :class:`~lightning_mgpu.ddp.step_flag.StepFlag` and saves, per
 optimizer step, the sums the ranks' contributions came to (``<out>/flag_rank<r>.pt``).
 """
 
@@ -26,8 +26,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import MultiGPUStrategy, PerformanceMonitor
-from lightning_mgpu.utilities.bucket_tuning import Trial
-from lightning_mgpu.utilities.step_flag import StepFlag
+from lightning_mgpu.ddp.bucket_tuning import Trial
+from lightning_mgpu.ddp.step_flag import StepFlag
 from tests.helpers.trainer import QUIET, RecordingLogger
 
 

@@ -16,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 
-from lightning_mgpu.utilities.blocks import find_repeated_blocks
-from lightning_mgpu.utilities.memory_plan import (
+from lightning_mgpu.core.blocks import find_repeated_blocks
+from lightning_mgpu.fsdp.memory_plan import (
     measure_activation_bytes,
     model_memory,
     optimizer_state_bytes,

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_mgpu import MultiGPUStrategy
-from lightning_mgpu.strategies import preemption
+from lightning_mgpu.long_runs import preemption
 from tests.helpers.collectives import count_collectives
 
 

@@ -1,0 +1,1 @@
+"""Replicated data parallelism: DDP, its bucket tuning, comm hooks and step flag; DataParallel; one device."""

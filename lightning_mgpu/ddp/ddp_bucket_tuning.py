@@ -1,0 +1,269 @@
+"""``bucket_cap_mb="auto"`` and ``comm_hook="auto"`` during a fit: when to tune, the DDP re-wraps, the checkpoint.
+
+The timing and the choice are :class:`~lightning_mgpu.ddp.bucket_tuning.BucketTuner`'s (pure, tested with a fake
+clock); this module wires it to a :class:`~lightning_mgpu.ddp.ddp.DDPStrategy`, which calls
+:class:`DDPBucketTuning` from its ``setup``, ``on_train_batch_start``, ``save_checkpoint``, ``load_checkpoint`` and
+``teardown``.
+"""
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_mgpu.core import compat
+from lightning_mgpu.ddp.bucket_tuning import (
+    MIN_TIMED_STEPS,
+    PAYBACK_FACTOR,
+    SETTLE_STEPS,
+    WARMUP_STEPS,
+    BucketTuner,
+    BucketTuningResult,
+    Trial,
+    bucket_candidates,
+)
+
+if TYPE_CHECKING:
+    from lightning_mgpu.ddp.ddp import DDPStrategy
+
+# the key under which the tuning result travels in a Lightning checkpoint
+BUCKET_TUNING_CHECKPOINT_KEY = "lightning_mgpu_bucket_tuning"
+# the smallest budget that times two settings with MIN_TIMED_STEPS each
+MIN_BUCKET_TUNING_STEPS = WARMUP_STEPS + 2 * (SETTLE_STEPS + MIN_TIMED_STEPS)
+
+
+class DDPBucketTuning:
+    """The DDP setting a :class:`~lightning_mgpu.ddp.ddp.DDPStrategy` fit runs with, tuned where ``"auto"``.
+
+    Holds the comm hook in use and, while ``bucket_cap_mb`` or ``comm_hook`` is ``"auto"``, the tuner of the fit under
+    way. At the first optimizer step of a fit it decides (on rank 0, for every rank) whether tuning can pay off; if so
+    it re-wraps DDP with each trial the tuner asks for, one optimizer step boundary at a time, shares rank 0's timings
+    when the tuner must decide, then logs the result and leaves it in the strategy's ``bucket_tuning``. A result saved
+    in a checkpoint is applied before DDP wraps the model, so a resumed fit wraps once and does not tune again.
+
+    It reads the strategy's options (``bucket_cap_mb``, ``comm_hook``, ``comm_hook_candidates``,
+    ``bucket_tuning_steps``) and reaches Lightning's DDP internals only through :mod:`lightning_mgpu.core.compat`.
+
+    Args:
+        strategy: the strategy it tunes, with its options already set.
+    """
+
+    def __init__(self, strategy: "DDPStrategy") -> None:
+        self.strategy = strategy
+        # the bucket size configured by number (None: torch's default), where every fit starts from
+        self.configured_bucket_cap: float | None = (
+            None if strategy.bucket_cap_mb in (None, "auto") else strategy.bucket_cap_mb
+        )
+        # the comm hook registered on DDP's current wrapper: the fixed one, or comm_hook="auto"'s trial or choice
+        self.active_comm_hook: str | None = self.fixed_comm_hook
+        self.tuner: BucketTuner | None = None
+        self.step: int | None = None  # the global step the tuner last saw
+        self.marker: tuple[int, int] | None = None  # (epoch, validation runs) when that step started
+        self.disabled_reason: str | None = None
+        self.restored: BucketTuningResult | None = None  # from the checkpoint the next fit resumes
+        # nothing left to tune in this fit (decided at its first optimizer step): the strategy stops calling
+        self.settled = False
+
+    @property
+    def fixed_comm_hook(self) -> str | None:
+        """The hook named by ``comm_hook`` (``None`` for ``"auto"``, which starts from no hook)."""
+        comm_hook = self.strategy.comm_hook
+        return None if comm_hook == "auto" else comm_hook
+
+    @property
+    def owner(self) -> str:
+        """The strategy's class name, for log lines."""
+        return type(self.strategy).__name__
+
+    def disable(self, reason: str) -> None:
+        """Keep the configured setting untimed for the next fit, for ``reason``."""
+        self.disabled_reason = reason
+
+    def setup(self, trainer: "pl.Trainer") -> None:
+        """Start each fit from the configured setting, or from a checkpoint's tuned one; before DDP wraps the model."""
+        strategy = self.strategy
+        self.tuner, self.step, self.marker, self.settled = None, None, None, False
+        restored, self.restored = self.restored, None
+        if not (strategy.tunes_buckets and trainer.state.fn == TrainerFn.FITTING):
+            return
+        # a fit starts from the configured setting, whatever trial an earlier fit on this strategy stopped in
+        strategy.bucket_tuning = None
+        self._set_bucket_cap(self.configured_bucket_cap)
+        self.active_comm_hook = self.fixed_comm_hook
+        if restored is not None:
+            self._apply_restored(restored)  # DDP then wraps once, with this
+
+    def on_train_batch_start(self) -> None:
+        """Start tuning at the fit's first optimizer step, then advance the tuner once per optimizer step.
+
+        Once nothing is left to tune in the fit, :attr:`settled` says so and the strategy calls no more.
+        """
+        strategy = self.strategy
+        if not strategy.tunes_buckets or (strategy.bucket_tuning is not None and self.tuner is None):
+            self.settled = True
+            return
+        trainer = strategy.lightning_module.trainer
+        if trainer.global_step == self.step:
+            return  # the same optimizer step, accumulating
+        self.step = trainer.global_step
+        if strategy.bucket_tuning is None and self.tuner is None:
+            self._start(trainer)
+        if self.tuner is not None:
+            self._step_started(trainer, self.tuner)
+
+    def save(self, checkpoint: dict[str, Any]) -> None:
+        """Put a tuned result in ``checkpoint``; a skipped tuning is decided again on resume."""
+        result = self.strategy.bucket_tuning
+        if result is not None and result.tuned:
+            checkpoint[BUCKET_TUNING_CHECKPOINT_KEY] = result.state_dict()
+
+    def load(self, checkpoint: dict[str, Any]) -> None:
+        """Keep ``checkpoint``'s tuned result for the next fit's :meth:`setup`."""
+        state = checkpoint.get(BUCKET_TUNING_CHECKPOINT_KEY)
+        self.restored = BucketTuningResult.restored(state) if isinstance(state, dict) else None
+
+    def teardown(self) -> None:
+        """Forget the fit's tuner and a ``disable`` reason: they hold for one fit."""
+        self.tuner = None
+        self.disabled_reason = None
+
+    def _apply_restored(self, restored: BucketTuningResult) -> None:
+        strategy = self.strategy
+        matches = (
+            restored.world_size == strategy.world_size
+            and (strategy.comm_hook == "auto" or restored.comm_hook == self.fixed_comm_hook)
+            and (strategy.bucket_cap_mb == "auto" or restored.bucket_cap_mb == self.configured_bucket_cap)
+        )
+        if not matches:
+            rank_zero_info(
+                f"{self.owner}: the checkpoint's tuned DDP setting ({restored.world_size} processes, "
+                f"{Trial(restored.bucket_cap_mb, restored.comm_hook).label}) was not taken with this run's processes "
+                "and fixed settings; tuning again."
+            )
+            return
+        if strategy.bucket_cap_mb == "auto":
+            self._set_bucket_cap(restored.bucket_cap_mb)
+        if strategy.comm_hook == "auto":
+            self.active_comm_hook = restored.comm_hook
+        strategy.bucket_tuning = restored
+        rank_zero_info(f"{self.owner}: tuned DDP setting {restored.summary()}.")
+
+    def _skip_reason(self, trainer: "pl.Trainer", bucket_sizes: list[float | None]) -> str | None:
+        strategy = self.strategy
+        if self.disabled_reason is not None:
+            return self.disabled_reason
+        if trainer.state.fn != TrainerFn.FITTING or not isinstance(strategy.model, DistributedDataParallel):
+            return "not fitting with DDP"
+        # torch registers hooks of its own at every wrap with these and never removes them: each trial would keep the
+        # old wrapper (and its buckets) alive, and add its work (an all-reduce, a parameter copy) to every step
+        if compat.ddp_delayed_params(strategy.model):
+            return "delay_all_reduce_named_params adds DDP's own all-reduce again at each re-wrap"
+        if getattr(strategy.model, "mixed_precision", None) is not None:
+            return "DDP's mixed_precision adds its own parameter-copy hooks again at each re-wrap"
+        if strategy.comm_hook == "powersgd":
+            return "comm_hook='powersgd' keeps error feedback per bucket, which a re-wrap would lose"
+        if compat.lightning_comm_state(strategy):
+            return "a ddp_comm_hook, ddp_comm_state or model averaging set through Lightning keeps state per bucket"
+        if strategy.world_size < 2:
+            return "one process: no gradients are communicated"
+        steps_left = trainer.estimated_stepping_batches - trainer.global_step
+        if steps_left < PAYBACK_FACTOR * strategy.bucket_tuning_steps:
+            return (
+                f"the fit has {steps_left:g} optimizer steps left, fewer than {PAYBACK_FACTOR} x "
+                f"bucket_tuning_steps ({strategy.bucket_tuning_steps}) needed to pay tuning back"
+            )
+        if len(bucket_sizes) == 1 and not (strategy.comm_hook == "auto" and strategy.comm_hook_candidates):
+            return "one bucket holds every gradient whatever the size: nothing to choose"
+        return None
+
+    def _start(self, trainer: "pl.Trainer") -> None:
+        strategy = self.strategy
+        current_size = compat.ddp_kwargs(strategy).get("bucket_cap_mb")
+        if strategy.bucket_cap_mb == "auto":
+            trainable = (p for p in strategy.lightning_module.parameters() if p.requires_grad)
+            bucket_sizes = bucket_candidates(sum(p.numel() * p.element_size() for p in trainable) / 2**20)
+        else:
+            bucket_sizes = [current_size]
+        hooks = list(strategy.comm_hook_candidates) if strategy.comm_hook == "auto" else []
+        reason = self._skip_reason(trainer, bucket_sizes)
+        if strategy.world_size > 1:
+            # ranks may see different loader lengths: rank 0's view decides, or some ranks would tune alone
+            reason, bucket_sizes = strategy.broadcast((reason, bucket_sizes), src=0)
+        if reason is not None:
+            strategy.bucket_tuning = BucketTuningResult(
+                current_size, self.active_comm_hook, reason, world_size=strategy.world_size
+            )
+            rank_zero_info(f"{self.owner}: bucket tuning {strategy.bucket_tuning.summary()}.")
+            return
+        self.tuner = BucketTuner(
+            bucket_sizes, hooks, self.fixed_comm_hook, strategy.bucket_tuning_steps, strategy.world_size
+        )
+        if self.tuner.current != Trial(current_size, self.active_comm_hook):
+            self._rewrap(self.tuner.current)
+
+    def _step_started(self, trainer: "pl.Trainer", tuner: BucketTuner) -> None:
+        strategy = self.strategy
+        if strategy.root_device.type == "cuda":
+            torch.cuda.synchronize(strategy.root_device)  # time the GPU's work, not how fast the host queued it
+        now = time.perf_counter()
+        # a step that also ran validation or ended an epoch is not timed
+        marker = (trainer.current_epoch, trainer.fit_loop.epoch_loop.val_loop.batch_progress.total.completed)
+        discard, self.marker = marker != self.marker, marker
+        switch = tuner.step_started(now, discard=discard)
+        if tuner.needs_decision:
+            # rank 0's timings decide on every rank: one broadcast, at the same step everywhere
+            switch = tuner.decide(strategy.broadcast(tuner.timings(), src=0), now)
+        if switch is not None:
+            self._rewrap(switch)
+        if tuner.result is not None:
+            self.tuner = None
+            strategy.bucket_tuning = tuner.result
+            self._log(trainer, tuner.result)
+
+    def _rewrap(self, trial: Trial) -> None:
+        strategy = self.strategy
+        assert isinstance(strategy.model, DistributedDataParallel)
+        module = strategy.model.module
+        strategy.model = module  # the old wrapper's buckets are freed before the new ones are allocated
+        kept_kwargs = compat.ddp_kwargs(strategy)
+        # the parameters are equal on every rank already
+        compat.set_ddp_kwargs(strategy, dict(kept_kwargs, init_sync=False))
+        self._set_bucket_cap(trial.bucket_cap_mb)
+        try:
+            strategy.model = compat.wrap_in_ddp(strategy, module)
+        except BaseException:
+            compat.set_ddp_kwargs(strategy, kept_kwargs)  # the fit is failing: leave the settings as they were
+            raise
+        # later wraps (the next fit's) get the user's init_sync back, or torch's default
+        kwargs = compat.ddp_kwargs(strategy)
+        kwargs.pop("init_sync")
+        if "init_sync" in kept_kwargs:
+            kwargs["init_sync"] = kept_kwargs["init_sync"]
+        self.active_comm_hook = trial.comm_hook
+        compat.register_ddp_hooks(strategy)
+        if strategy.root_device.type == "cuda":
+            torch.cuda.synchronize(strategy.root_device)  # gradients copied into the new buckets on the wrap's stream
+
+    def _set_bucket_cap(self, bucket_cap_mb: float | None) -> None:
+        kwargs = compat.ddp_kwargs(self.strategy)
+        if bucket_cap_mb is None:
+            kwargs.pop("bucket_cap_mb", None)
+        else:
+            kwargs["bucket_cap_mb"] = bucket_cap_mb
+
+    def _log(self, trainer: "pl.Trainer", result: BucketTuningResult) -> None:
+        rank_zero_info(f"{self.owner}: bucket tuning {result.summary()}.")
+        metrics = {
+            "ddp/bucket_cap_mb": result.effective_bucket_cap_mb,
+            "ddp/bucket_tuning_seconds": result.tuning_seconds,
+            "ddp/bucket_tuning_speedup": result.speedup or 1.0,
+        }
+        if compat.ddp_kwargs(self.strategy).get("bucket_cap_mb_list"):
+            del metrics["ddp/bucket_cap_mb"]  # DDP's own list of sizes applies, not one size
+        metrics.update({f"ddp/bucket_trial_ms/{label}": ms for label, ms in result.step_ms.items()})
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)

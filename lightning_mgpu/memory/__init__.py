@@ -1,0 +1,1 @@
+"""Memory: GPUMemoryMonitor, OOMBackoff, BatchSizeSearch, GPU selection, and their algorithms."""

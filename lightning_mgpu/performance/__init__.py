@@ -1,0 +1,1 @@
+"""Performance: PerformanceMonitor (step timing, FLOPs and MFU, stragglers)."""

@@ -1,0 +1,1 @@
+"""Training stability: NaNSkip (non-finite and spike skips, rollback, device-side skips), GradientClipping, EMA."""

@@ -1,1 +1,0 @@
-"""Pure torch helpers that the strategies and callbacks wrap."""
