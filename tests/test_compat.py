@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import NaNSkip
 from lightning_mgpu.core import compat
+from lightning_mgpu.core.compat import versions as compat_versions
 from lightning_mgpu.strategies import MultiGPUStrategy
 
 
@@ -75,7 +76,7 @@ def test_a_missing_internal_stops_the_fit_at_setup_naming_each_one():
 def test_an_untested_lightning_with_every_internal_warns_once_and_runs(monkeypatch):
     torch.manual_seed(0)
     monkeypatch.setattr(lightning, "__version__", "2.7.0")
-    compat._warn_untested_once.cache_clear()
+    compat_versions._warn_untested_once.cache_clear()
     trainer = _trainer(max_steps=2, callbacks=[NaNSkip()])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -84,7 +85,7 @@ def test_an_untested_lightning_with_every_internal_warns_once_and_runs(monkeypat
     untested = [w for w in caught if "Lightning 2.7.0 is installed" in str(w.message)]
     assert len(untested) == 1
     assert trainer.global_step == 2
-    compat._warn_untested_once.cache_clear()
+    compat_versions._warn_untested_once.cache_clear()
 
 
 def test_multi_gpu_strategy_refuses_a_lightning_that_would_not_ask_it_to_choose(monkeypatch):
@@ -167,3 +168,76 @@ def test_an_undone_wrapper_left_inside_a_newer_one_no_longer_calls_back():
     undo()
     trainer.fit_loop.on_run_end()
     assert calls == ["newer", "lightning"]
+
+
+def test_each_lightning_patch_is_named_in_place_and_reversible():
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    MultiGPUStrategy()  # installs the strategy replacement; `import lightning_mgpu` installed the name hint
+    assert compat.installed_connector_patches() == list(compat.CONNECTOR_PATCHES)
+    patched = {name: getattr(_AcceleratorConnector, method) for name, method in compat.CONNECTOR_PATCHES.items()}
+    try:
+        for name, method in compat.CONNECTOR_PATCHES.items():
+            assert compat.remove_connector_patch(name)
+            assert getattr(_AcceleratorConnector, method) is patched[name].__wrapped__  # Lightning's own
+            assert not compat.remove_connector_patch(name)  # nothing left to remove
+        assert compat.installed_connector_patches() == []
+        with pytest.raises(ValueError) as refused:
+            Trainer(strategy="mgpu_dpp", accelerator="cpu", logger=False)
+        assert "did you mean" not in str(refused.value)  # Lightning's own message, without the hint
+    finally:
+        for name, method in compat.CONNECTOR_PATCHES.items():
+            setattr(_AcceleratorConnector, method, patched[name])
+    assert compat.installed_connector_patches() == list(compat.CONNECTOR_PATCHES)
+
+
+def test_a_strategy_chosen_at_launch_is_the_trainers_and_the_users_object_says_why():
+    from lightning.pytorch import Trainer
+
+    from lightning_mgpu.strategies import SingleDeviceStrategy
+
+    chooser = MultiGPUStrategy()
+    trainer = Trainer(strategy=chooser, accelerator="cpu", devices=1, logger=False)
+    assert type(trainer.strategy) is SingleDeviceStrategy and type(chooser) is MultiGPUStrategy
+    assert trainer.strategy.choice is chooser.choice and chooser.choice.mode == "single"
+
+
+def test_a_patch_someone_else_wrapped_since_stays_and_is_not_wrapped_twice():
+    import functools
+
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    MultiGPUStrategy()
+    method = compat.CONNECTOR_PATCHES["strategy_replacement"]
+    ours = getattr(_AcceleratorConnector, method)
+
+    @functools.wraps(ours)  # copies our marker, not our identity
+    def theirs(self):
+        return ours(self)
+
+    setattr(_AcceleratorConnector, method, theirs)
+    try:
+        assert not compat.remove_connector_patch("strategy_replacement")  # theirs is outermost: both stay
+        assert getattr(_AcceleratorConnector, method) is theirs
+        assert "strategy_replacement" in compat.installed_connector_patches()  # ours, under theirs
+        MultiGPUStrategy()
+        assert getattr(_AcceleratorConnector, method) is theirs  # not wrapped a second time
+    finally:
+        setattr(_AcceleratorConnector, method, ours)
+
+
+def test_a_chosen_strategy_the_trainer_never_got_stops_the_fit_naming_the_patch():
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    chooser = MultiGPUStrategy(mode="single")  # its construction installs the patch: take it out afterwards
+    assert compat.remove_connector_patch("strategy_replacement")
+    try:
+        trainer = Trainer(strategy=chooser, accelerator="cpu", devices=1, max_steps=1, logger=False)
+        assert trainer.strategy is chooser  # the Trainer kept the chooser: nothing handed it the one-device strategy
+        with pytest.raises(compat.UnsupportedLightningError, match="patch 'strategy_replacement'"):
+            trainer.fit(BoringModel())
+    finally:
+        MultiGPUStrategy()  # puts the patch back
+    assert "strategy_replacement" in compat.installed_connector_patches()

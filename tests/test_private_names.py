@@ -1,4 +1,4 @@
-"""No module but ``lightning_mgpu/core/compat.py`` reaches a private name of Lightning, torch or torchmetrics.
+"""No module but those of ``lightning_mgpu/core/compat/`` reaches a private name of Lightning, torch or torchmetrics.
 
 A private name is one starting with a single underscore that those libraries define. The scan reads the package's
 source: imports of private names, attribute reads and writes (on ``self`` too, when the class inherits the attribute
@@ -20,7 +20,7 @@ import torchmetrics
 import lightning_mgpu
 
 PACKAGE = pathlib.Path(lightning_mgpu.__file__).parent
-COMPAT = PACKAGE / "core" / "compat.py"
+COMPAT = PACKAGE / "core" / "compat"  # the door: a package of one module per library part
 # calls that take an attribute name as a string
 LOOKUPS = ("getattr", "hasattr", "setattr", "delattr", "attrgetter", "get", "pop", "setdefault")
 # namedtuple's documented API, underscored so as not to clash with field names
@@ -44,7 +44,7 @@ def _foreign_private_names() -> set[str]:
 def _package_modules() -> list[tuple[pathlib.Path, str]]:
     modules = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path == COMPAT:
+        if COMPAT in path.parents:
             continue
         relative = path.relative_to(PACKAGE.parent).with_suffix("")
         name = ".".join(relative.parts).removesuffix(".__init__")

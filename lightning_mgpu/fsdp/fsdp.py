@@ -33,8 +33,10 @@ from typing_extensions import override
 from lightning_mgpu.core import compat
 from lightning_mgpu.core.blocks import apply_activation_checkpointing, check_class_names, sharding_units
 from lightning_mgpu.core.distributed_batchnorm import has_batchnorm
+from lightning_mgpu.core.strategy_choice import StrategyChoice
 from lightning_mgpu.core.sync_batchnorm import DeviceAgnosticSyncBatchNorm
 from lightning_mgpu.core.validation import check_bool, check_choice, check_int, check_positive
+from lightning_mgpu.fsdp.memory_plan import MemoryPlan
 from lightning_mgpu.fsdp.sharded_state import SHARDED_CALLBACK_STATES, ShardedCallbackState
 from lightning_mgpu.long_runs.atomic_save import replace_folder, save_atomically, staging_folder
 from lightning_mgpu.long_runs.exact_resume import ExactResume, ExactResumeHooks
@@ -169,6 +171,9 @@ class FSDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, Mode
         self.hang_timeout = hang_timeout
         self._hang_watch = FitHangWatch(hang_timeout)
         self._sigterm_agreement = None
+        # set by MultiGPUStrategy when it chose FSDP: why, and the memory plan that chose it
+        self.choice: StrategyChoice | None = None
+        self.plan: MemoryPlan | None = None
 
     @override
     def setup_environment(self) -> None:

@@ -64,21 +64,22 @@ class MultiGPUStrategy(DDPStrategy):
     several GPUs, interactive, CUDA initialised or no fork        ``dp`` (DataParallel)
     ============================================================  =====================================
 
-    In a DDP mode the strategy stays a :class:`DDPStrategy` (this class); for ``single`` and ``dp`` it turns itself
-    into a :class:`SingleDeviceStrategy` or :class:`DataParallelStrategy` in place, so ``trainer.strategy`` is
-    always the strategy that runs. ``trainer.strategy.choice`` holds the :class:`StrategyChoice` (mode and reason).
-    The DDP options only apply when a DDP mode is chosen.
+    In a DDP mode the strategy stays a :class:`DDPStrategy` (this class); for ``single``, ``dp`` and ``fsdp`` it
+    builds a :class:`SingleDeviceStrategy`, :class:`DataParallelStrategy` or :class:`FSDPStrategy` from its options
+    and hands it to the Trainer, so ``trainer.strategy`` is always the strategy that runs. ``trainer.strategy.choice``
+    (and this object's ``choice``) holds the :class:`StrategyChoice` (mode and reason). The DDP options only apply
+    when a DDP mode is chosen.
 
     With ``mode="auto"`` and several processes, on CUDA or wherever ``memory_budget_mb`` is given, a memory plan runs
     at ``setup`` (:mod:`lightning_mgpu.fsdp.memory_planning`): the model is measured on its first micro-batch and
     the least-sharded setup that fits is chosen, DDP first, then FSDP (``hybrid`` on several nodes, ``grad_op``,
-    ``full``, with activation checkpointing, with CPU offload). ``trainer.strategy.plan`` holds the table; a choice
-    other than DDP turns the strategy into an :class:`FSDPStrategy` in place.
+    ``full``, with activation checkpointing, with CPU offload). ``trainer.strategy.plan`` holds the table; for a choice
+    other than DDP, the Trainer runs the fit with an :class:`FSDPStrategy` built from this strategy's options.
 
     Args:
         mode: ``"auto"`` (the table above) or a forced ``"single"``, ``"dp"``, ``"ddp"``, ``"ddp_spawn"``,
             ``"ddp_fork"``, or ``"fsdp"``: FSDP2 sharding of the unmodified module, one process per device (the
-            strategy turns into an :class:`FSDPStrategy`, which documents the sharding options below).
+            Trainer runs an :class:`FSDPStrategy`, which documents the sharding options below).
         sync_batchnorm: ``"auto"`` (default) synchronises BatchNorm when the model has some and more than one
             process trains; ``True`` or ``False`` force it.
         bucket_cap_mb: ``"auto"`` (default) times candidate gradient bucket sizes on the fit's first optimizer
@@ -201,6 +202,7 @@ class MultiGPUStrategy(DDPStrategy):
         self.memory_budget_mb = memory_budget_mb
         self.plan: MemoryPlan | None = None
         self.sharded_resume: Path | None = None  # a sharded checkpoint this fit resumes from, read by FSDPStrategy
+        self._replacement: pl.strategies.Strategy | None = None  # the strategy chosen at launch, when not this one
         compat.check_launch_hook(self)
 
     @override
@@ -212,16 +214,29 @@ class MultiGPUStrategy(DDPStrategy):
             self.choice = choose_strategy(context) if self.mode == "auto" else force_mode(self.mode, context)
             rank_zero_info(f"{type(self).__name__} chose {self.choice.mode!r}: {self.choice.reason}.")
         if self.choice.mode == "fsdp":
-            self._become_fsdp(self.choice)
+            self._replacement = self.fsdp_strategy(self.choice)
             return False
         if self.choice.mode not in _START_METHODS:
-            self._become_other_strategy(self.choice)
+            self._replacement = self.one_process_strategy(self.choice)
             return False
         compat.set_start_method(self, _START_METHODS[self.choice.mode])
         return True
 
     @override
+    def launch_replacement(self) -> "pl.strategies.Strategy | None":
+        replacement, self._replacement = self._replacement, None  # the Trainer holds it from now on
+        return replacement
+
+    @override
     def setup_environment(self) -> None:
+        if self.choice is not None and self.choice.mode not in _START_METHODS:
+            # the Trainer kept this object: its connector lost the patch that hands over the strategy chosen
+            raise compat.UnsupportedLightningError(
+                f"{type(self).__name__} chose {self.choice.mode!r}, but the Trainer runs this DDP strategy: the "
+                "lightning_mgpu patch 'strategy_replacement' of Lightning's accelerator connector was removed or "
+                "bypassed. Pass the chosen strategy itself (for example lightning_mgpu.FSDPStrategy()), or leave the "
+                "patch in place."
+            )
         self.sharded_resume = None  # each fit names its own checkpoint
         super().setup_environment()
 
@@ -280,14 +295,15 @@ class MultiGPUStrategy(DDPStrategy):
 
     def _switch_to_fsdp(self, trainer: "pl.Trainer", option: str) -> None:
         # the processes and their process group exist already: FSDPStrategy joins them and builds its device mesh
-        plan, launcher, model, num_nodes = self.plan, self.launcher, self.lightning_module, self.num_nodes
+        plan = self.plan
         recomputes = plan.row("fsdp_full_ac").activations_mb < plan.row("fsdp_full").activations_mb
-        self._become_fsdp(
-            StrategyChoice(
-                "fsdp",
-                f"the memory plan chose {option!r}: DDP needs {plan.row('ddp').total_mb:,.1f} MB a device, "
-                f"{plan.budget_mb * (1 - plan.margin):,.1f} MB are usable",
-            ),
+        choice = StrategyChoice(
+            "fsdp",
+            f"the memory plan chose {option!r}: DDP needs {plan.row('ddp').total_mb:,.1f} MB a device, "
+            f"{plan.budget_mb * (1 - plan.margin):,.1f} MB are usable",
+        )
+        fsdp = self.fsdp_strategy(
+            choice,
             sharding={"fsdp_grad_op": "grad_op", "fsdp_hybrid": "hybrid"}.get(option, "full"),
             shard_group_size=self.fsdp_options["shard_group_size"] if option == "fsdp_hybrid" else None,
             # "auto" only where the plan found blocks to recompute (without them the estimate counted no saving)
@@ -295,12 +311,16 @@ class MultiGPUStrategy(DDPStrategy):
             cpu_offload=option.endswith("offload"),
             launch=False,
         )
-        self.num_nodes = num_nodes
-        compat.set_launcher(self, launcher)
-        self.connect(model)
-        self.plan = plan
-        self.setup_environment()
-        self.setup(trainer)
+        compat.set_launcher(fsdp, self.launcher)
+        fsdp.connect(self.lightning_module)
+        fsdp.plan = plan
+        # what callbacks set on this strategy for a DDP fit, in their setup hooks: the FSDP fit has none of it
+        if self.step_flag is not None:
+            self.step_flag.release()
+        self.step_flag, self.comm_timer = None, None
+        compat.replace_trainer_strategy(trainer, fsdp)
+        fsdp.setup_environment()
+        fsdp.setup(trainer)
 
     def launch_context(self) -> LaunchContext:
         """Describe the hardware and launch context this strategy was configured with."""
@@ -317,7 +337,14 @@ class MultiGPUStrategy(DDPStrategy):
             fork_available="fork" in mp.get_all_start_methods(),
         )
 
-    def _become_fsdp(self, choice: StrategyChoice, launch: bool = True, **overrides: Any) -> None:
+    def fsdp_strategy(self, choice: StrategyChoice, launch: bool = True, **overrides: Any) -> FSDPStrategy:
+        """The :class:`FSDPStrategy` this strategy's options describe, with the plugins the Trainer gave it.
+
+        Args:
+            choice: why FSDP runs; the new strategy's ``choice``.
+            launch: build its launcher (at the Trainer's construction); ``False`` when the processes run already.
+            **overrides: FSDP options that replace this strategy's (the memory plan's sharding, for example).
+        """
         # FSDPStrategy derives from Lightning's ModelParallelStrategy, which builds its own launcher
         plugins = compat.strategy_plugins(self)
         # the Trainer's precision is known now: refuse fp16 mixed precision when the Trainer is built, not at fit
@@ -334,20 +361,25 @@ class MultiGPUStrategy(DDPStrategy):
             cluster_environment=self.cluster_environment,
         )
         settings.update(overrides)
-        num_nodes = self.num_nodes
-        compat.become(self, FSDPStrategy, **settings, **plugins)
-        self.num_nodes = num_nodes
-        self.choice = choice
+        fsdp = FSDPStrategy(**settings, **plugins)
+        fsdp.num_nodes = self.num_nodes
+        fsdp.choice = choice
         if launch:
-            compat.configure_launcher(self)
+            compat.configure_launcher(fsdp)
+        return fsdp
 
-    def _become_other_strategy(self, choice: StrategyChoice) -> None:
-        # The Trainer holds on to this object, so it turns into the chosen strategy in place. Only what the
-        # connector has set so far carries over; everything else starts fresh from that class's __init__.
+    def one_process_strategy(self, choice: StrategyChoice) -> "DataParallelStrategy | SingleDeviceStrategy":
+        """The strategy of a ``dp`` or ``single`` choice, on this strategy's devices and with its plugins.
+
+        Only what the Trainer's connector has set so far carries over; everything else starts fresh.
+        """
         plugins = compat.strategy_plugins(self)
         devices = list(self.parallel_devices or [torch.device("cpu")])
         if choice.mode == "dp":
-            compat.become(self, DataParallelStrategy, parallel_devices=devices, **plugins)
+            strategy: DataParallelStrategy | SingleDeviceStrategy = DataParallelStrategy(
+                parallel_devices=devices, **plugins
+            )
         else:
-            compat.become(self, SingleDeviceStrategy, device=devices[0], **plugins)
-        self.choice = choice
+            strategy = SingleDeviceStrategy(device=devices[0], **plugins)
+        strategy.choice = choice
+        return strategy

@@ -552,7 +552,7 @@ class NaNSkip(Callback):
             )
 
     def _drop_found_inf(self, optimizer: Optimizer, *_: Any) -> None:
-        if self._found_inf is not None and optimizer.__dict__.get("found_inf") is self._found_inf:
+        if self._found_inf is not None and getattr(optimizer, "found_inf", None) is self._found_inf:
             del optimizer.found_inf
 
     def _snapshot_or_roll_back(self, trainer: "pl.Trainer", snapshot: TrainingSnapshot) -> None:

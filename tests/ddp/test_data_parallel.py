@@ -276,9 +276,11 @@ def test_multigpu_turned_dataparallel_tears_down():
     from lightning_mgpu.core.strategy_choice import StrategyChoice
 
     trainer = Trainer(accelerator="cpu", devices=1, strategy=MultiGPUStrategy(mode="ddp"), logger=False)
-    trainer.strategy._become_other_strategy(StrategyChoice("dp", "as chosen in a notebook with CUDA initialised"))
-    assert isinstance(trainer.strategy, DataParallelStrategy)
-    trainer.strategy.teardown()  # ParallelStrategy.teardown would assert on the missing cluster environment
+    strategy = trainer.strategy.one_process_strategy(
+        StrategyChoice("dp", "as chosen in a notebook with CUDA initialised")
+    )
+    assert isinstance(strategy, DataParallelStrategy)
+    strategy.teardown()  # ParallelStrategy.teardown would assert on the missing cluster environment
 
 
 def test_strategy_pickles_for_spawned_workers():
