@@ -21,8 +21,8 @@ def _devices(text: str) -> int | str:
         return text
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; return the exit status."""
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The command line, and each command's own parser (for its errors)."""
     parser = argparse.ArgumentParser(prog="python -m lightning_mgpu", description="lightning_mgpu tools")
     commands = parser.add_subparsers(dest="command", metavar="command")
     env = commands.add_parser(
@@ -56,55 +56,76 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan.add_argument("--devices", type=int, default=1, help="processes that would train (the world size)")
     plan.add_argument("--budget-mb", type=float, default=None, help="memory per device; default: the device's")
     plan.add_argument("--shard-units", nargs="+", default=None, help="class names of the sharding units")
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help(sys.stderr)
-        return 2
-    if args.command == "config":
-        if args.name is not None:
-            print(config_path(args.name))
-        else:
-            for name in CONFIG_NAMES:
-                print(f"{name:<16} {config_summary(name)}\n{'':<16} {config_path(name)}")
-        return 0
-    if args.command == "check":
-        from lightning_mgpu.commands.check import CHECKS, run_check
+    return parser, {"env": env, "check": check, "config": config, "export": export, "plan": plan}
 
-        unknown = sorted(set(args.checks or ()) - set(CHECKS))
-        if unknown:
-            check.error(f"--checks: unknown {', '.join(unknown)}; choose from {', '.join(CHECKS)}")
-        if args.processes is not None and args.processes < 1:
-            check.error(f"--processes must be at least 1, got {args.processes}")
-        if args.max_mb < 1:
-            check.error(f"--max-mb must be at least 1, got {args.max_mb}")
-        return run_check(args.processes, args.max_mb, args.checks or CHECKS, args.gpu_tests)
-    if args.command == "plan":
-        from lightning_mgpu.commands.plan import model_plan, parse_init_args
 
-        try:
-            memory_plan = model_plan(
-                args.model, parse_init_args(args.init_args), args.devices, args.budget_mb, args.shard_units
-            )
-        except ValueError as err:
-            plan.error(str(err))
-        print(memory_plan.table())
-        return 0 if memory_plan.chosen is not None else 1
-    if args.command == "export":
-        from lightning_mgpu.fsdp.sharded_checkpoint import export_state_dict
+def _config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.name is not None:
+        print(config_path(args.name))
+    else:
+        for name in CONFIG_NAMES:
+            print(f"{name:<16} {config_summary(name)}\n{'':<16} {config_path(name)}")
+    return 0
 
-        try:
-            state = export_state_dict(args.checkpoint, args.out, prefix=args.prefix, ema=args.ema)
-        except (FileNotFoundError, KeyError) as err:
-            export.error(str(err))
-        print(f"wrote {len(state)} tensors ({sum(t.numel() for t in state.values())} elements) to {args.out}")
-        return 0
+
+def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from lightning_mgpu.commands.check import CHECKS, run_check
+
+    unknown = sorted(set(args.checks or ()) - set(CHECKS))
+    if unknown:
+        parser.error(f"--checks: unknown {', '.join(unknown)}; choose from {', '.join(CHECKS)}")
+    if args.processes is not None and args.processes < 1:
+        parser.error(f"--processes must be at least 1, got {args.processes}")
+    if args.max_mb < 1:
+        parser.error(f"--max-mb must be at least 1, got {args.max_mb}")
+    return run_check(args.processes, args.max_mb, args.checks or CHECKS, args.gpu_tests)
+
+
+def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from lightning_mgpu.commands.plan import model_plan, parse_init_args
+
+    try:
+        memory_plan = model_plan(
+            args.model, parse_init_args(args.init_args), args.devices, args.budget_mb, args.shard_units
+        )
+    except ValueError as err:
+        parser.error(str(err))
+    print(memory_plan.table())
+    return 0 if memory_plan.chosen is not None else 1
+
+
+def _export(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from lightning_mgpu.fsdp.sharded_checkpoint import export_state_dict
+
+    try:
+        state = export_state_dict(args.checkpoint, args.out, prefix=args.prefix, ema=args.ema)
+    except (FileNotFoundError, KeyError) as err:
+        parser.error(str(err))
+    print(f"wrote {len(state)} tensors ({sum(t.numel() for t in state.values())} elements) to {args.out}")
+    return 0
+
+
+def _env(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from lightning_mgpu.commands.env import environment_report
 
     try:
         print(environment_report(accelerator=args.accelerator, devices=args.devices, num_nodes=args.nodes))
     except ValueError as err:
-        env.error(str(err))
+        parser.error(str(err))
     return 0
+
+
+_COMMANDS = {"config": _config, "check": _check, "plan": _plan, "export": _export, "env": _env}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit status."""
+    parser, commands = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return _COMMANDS[args.command](args, commands[args.command])
 
 
 if __name__ == "__main__":

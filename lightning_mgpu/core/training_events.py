@@ -85,6 +85,16 @@ class EventLog:
             return list(self._events)[-new:] if new > 0 else []
 
 
+class RecordsEvents:
+    """A callback that records training events (skips, backoffs, warnings) in its :class:`EventLog` ``events``.
+
+    A declared role, read with ``isinstance``: GPUMemoryMonitor writes the events of every such callback of its fit
+    beside its memory timeline.
+    """
+
+    events: EventLog
+
+
 class EventFile:
     """Write events to a CSV file (``step, time_s, kind, detail``) as they come, flushed at each write.
 

@@ -15,6 +15,7 @@ from lightning_mgpu.core import compat
 from lightning_mgpu.core._imports import MATPLOTLIB_AVAILABLE, PROMETHEUS_AVAILABLE
 from lightning_mgpu.core._logging import has_progress_bar, show_in_progress_bar
 from lightning_mgpu.core.nvml import NVMLSession, torch_device_uuid
+from lightning_mgpu.core.prometheus_exporter import PrometheusExporter, ServesPrometheus
 from lightning_mgpu.core.rank_gather import (
     RANK_STATISTICS,
     RankGather,
@@ -22,13 +23,12 @@ from lightning_mgpu.core.rank_gather import (
     leave_rank_gather,
     summarize_across_ranks,
 )
-from lightning_mgpu.core.training_events import EventFile, EventKind, EventLog, events_path
+from lightning_mgpu.core.training_events import EventFile, EventKind, EventLog, RecordsEvents, events_path
 from lightning_mgpu.core.validation import check_bool, check_int, check_number, check_sequence, check_str
 from lightning_mgpu.ddp.data_parallel import DataParallelStrategy
 from lightning_mgpu.memory.memory_headroom import HeadroomWatch
 from lightning_mgpu.memory.memory_sampler import GPU_METRICS, HOST_METRICS, MemorySampler, MonitoredGPU
 from lightning_mgpu.memory.memory_timeline import MemoryTimeline, plot_timeline, unused_path
-from lightning_mgpu.memory.prometheus_exporter import PrometheusExporter
 
 METRICS: tuple[str, ...] = GPU_METRICS + HOST_METRICS
 _FIRST_STAGE = {"fit": "train", "validate": "validate", "test": "test", "predict": "predict"}
@@ -38,7 +38,7 @@ class MemoryHeadroomWarning(UserWarning):
     """Emitted by :class:`GPUMemoryMonitor` when a device is about to run out of memory."""
 
 
-class GPUMemoryMonitor(Callback):
+class GPUMemoryMonitor(RecordsEvents, ServesPrometheus, Callback):
     """Monitor memory, utilisation, temperature and power of every GPU, and the host, at no cost to the training loop.
 
     A daemon thread samples ``sample_hz`` times a second: NVML (through ``nvidia-ml-py``) for free memory,
@@ -445,7 +445,7 @@ class GPUMemoryMonitor(Callback):
     def _start_exporter(self, local_rank: int, gpus: list[MonitoredGPU]) -> None:
         assert self.prometheus_port is not None
         port = self.prometheus_port + local_rank if self.prometheus_port else 0
-        exporter = PrometheusExporter(port, self.prometheus_host, self._rank, gpus)
+        exporter = PrometheusExporter(port, self.prometheus_host, self._rank, gpus, GPU_METRICS, HOST_METRICS)
         try:
             if port > 65535:
                 raise OverflowError(f"port {self.prometheus_port} + local rank {local_rank} is above 65535")
@@ -539,8 +539,8 @@ class GPUMemoryMonitor(Callback):
 
 
 def _event_logs(trainer: "pl.Trainer") -> list[EventLog]:
-    """The event records of the trainer's callbacks (this monitor's included): ``callback.events``."""
-    return [cb.events for cb in trainer.callbacks if isinstance(getattr(cb, "events", None), EventLog)]
+    """The event records of the trainer's callbacks that record events (this monitor's included)."""
+    return [cb.events for cb in trainer.callbacks if isinstance(cb, RecordsEvents)]
 
 
 def _metric_of(key: str) -> str:

@@ -6,6 +6,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from lightning_mgpu.core.training_events import TrainingEvent, events_path, read_events
 from lightning_mgpu.core.validation import check_int
@@ -262,8 +263,6 @@ def draw_timeline(plot: TimelinePlot, png_path: str | Path) -> Path:
     """Render a :class:`TimelinePlot` to a PNG file; returns ``png_path``."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
-    from matplotlib.ticker import StrMethodFormatter
 
     figure = Figure(figsize=(10, 7.5 if plot.zoom_limits else 5.2), layout="constrained")
     FigureCanvasAgg(figure)
@@ -272,6 +271,23 @@ def draw_timeline(plot: TimelinePlot, png_path: str | Path) -> Path:
     else:
         main, zoom = figure.subplots(1, 1), None
     panels = [axes for axes in (main, zoom) if axes is not None]
+    xs = [x for line in plot.lines for x in line.x] + plot.event_x
+    low, high = (min(xs), max(xs)) if xs else (0.0, 1.0)
+    right_half = low + 0.6 * (high - low)  # text right of it is drawn leftwards, to stay inside the axes
+    handles = _draw_lines(plot, main, panels)
+    _draw_peaks(plot, zoom if zoom is not None else main, right_half)
+    handles += _draw_events(plot, main, panels, right_half)
+    _label_axes(plot, main, zoom, panels, (low, high))
+    figure.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=8, frameon=False)
+    png_path = Path(png_path)
+    figure.savefig(png_path, dpi=110)
+    return png_path
+
+
+def _draw_lines(plot: TimelinePlot, main: Any, panels: list[Any]) -> list[Any]:
+    """The memory lines (the zoom panel shows used and reserved only); returns their legend handles."""
+    from matplotlib.lines import Line2D
+
     styles = {"limit": ("black", "-", 1.4), "threshold": ("tab:red", "--", 1.2)}
     colors = iter(["tab:blue", "tab:cyan", "tab:green", "tab:olive", "tab:brown", "tab:pink"])
     handles = []
@@ -281,14 +297,14 @@ def draw_timeline(plot: TimelinePlot, png_path: str | Path) -> Path:
             if axes is main or line.role in ("used", "reserved"):
                 axes.plot(line.x, line.values, color=color, linestyle=style, linewidth=width)
         handles.append(Line2D([], [], color=color, linestyle=style, linewidth=width, label=line.label))
-    xs = [x for line in plot.lines for x in line.x] + plot.event_x
-    low, high = (min(xs), max(xs)) if xs else (0.0, 1.0)
-    right_half = low + 0.6 * (high - low)
-    peak_axes = zoom if zoom is not None else main
+    return handles
+
+
+def _draw_peaks(plot: TimelinePlot, axes: Any, right_half: float) -> None:
     for _, stage, x, value in plot.peaks:
-        peak_axes.plot([x], [value], marker="v", color="black", markersize=6, linestyle="none")
-        left = x > right_half  # keep the text inside the axes
-        peak_axes.annotate(
+        axes.plot([x], [value], marker="v", color="black", markersize=6, linestyle="none")
+        left = x > right_half
+        axes.annotate(
             f"peak {value:,.0f} MiB ({stage})",
             (x, value),
             textcoords="offset points",
@@ -298,6 +314,13 @@ def draw_timeline(plot: TimelinePlot, png_path: str | Path) -> Path:
             zorder=5,
             bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1},
         )
+
+
+def _draw_events(plot: TimelinePlot, main: Any, panels: list[Any], right_half: float) -> list[Any]:
+    """A vertical line per event, labelled on the main panel; returns the legend handles of the kinds drawn."""
+    from matplotlib.lines import Line2D
+
+    handles = []
     for kind, (label, color, style, _) in EVENT_STYLES.items():
         if plot.event_counts.get(kind):
             shown = sum(1 for event in plot.events if event.kind == kind)
@@ -321,6 +344,12 @@ def draw_timeline(plot: TimelinePlot, png_path: str | Path) -> Path:
                 color=color,
                 bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1},
             )
+    return handles
+
+
+def _label_axes(plot: TimelinePlot, main: Any, zoom: Any, panels: list[Any], x_range: tuple[float, float]) -> None:
+    from matplotlib.ticker import StrMethodFormatter
+
     main.set_ylim(*plot.y_limits)
     main.set_title(f"{plot.title}\n{plot.subtitle}", fontsize=10)
     if zoom is not None and plot.zoom_limits is not None:
@@ -336,12 +365,9 @@ def draw_timeline(plot: TimelinePlot, png_path: str | Path) -> Path:
     for axes in panels:
         axes.set_ylabel(plot.y_label)
         axes.grid(alpha=0.3)
+    low, high = x_range
     panels[-1].set_xlabel(plot.x_label)
     panels[-1].set_xlim(low, high + 0.01 * (high - low or 1))
-    figure.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=8, frameon=False)
-    png_path = Path(png_path)
-    figure.savefig(png_path, dpi=110)
-    return png_path
 
 
 def _gpu_plan(slot: str, warn_headroom_mb: float | None) -> list[tuple[str, str, Callable[[dict], float | None]]]:

@@ -20,7 +20,7 @@ from lightning_mgpu.core._logging import has_progress_bar, show_in_progress_bar
 from lightning_mgpu.core.batch_split import batch_size_of, split_batch
 from lightning_mgpu.core.distributed_batchnorm import DistributedBatchNorm
 from lightning_mgpu.core.step_pieces import LogCall, capture_logs, merge_outputs, replay_logs
-from lightning_mgpu.core.training_events import EventLog
+from lightning_mgpu.core.training_events import EventLog, RecordsEvents
 from lightning_mgpu.core.validation import check_bool, check_choice, check_int, check_str
 from lightning_mgpu.ddp.ddp import DDPStrategy
 from lightning_mgpu.ddp.step_flag import StepFlag
@@ -35,7 +35,7 @@ __all__ = ["OOMBackoff", "OOMRecoveryError"]
 EVAL_STEPS = ("validation_step", "test_step", "predict_step")
 
 
-class OOMBackoff(Callback):
+class OOMBackoff(RecordsEvents, Callback):
     """Recover from out-of-memory errors during ``fit``: retry the batch in smaller micro-batches, on every rank.
 
     When a training step runs out of memory, the memory is released (the failed attempt's activations are freed

@@ -18,13 +18,12 @@ from lightning_mgpu.core import compat
 from lightning_mgpu.core._imports import PROMETHEUS_AVAILABLE
 from lightning_mgpu.core._logging import has_progress_bar, show_in_progress_bar
 from lightning_mgpu.core.nvml import torch_device_uuid
+from lightning_mgpu.core.prometheus_exporter import PrometheusExporter, ServesPrometheus
 from lightning_mgpu.core.rank_gather import RankGather, join_rank_gather, leave_rank_gather, summarize_across_ranks
 from lightning_mgpu.core.step_timing import STEP_METRICS, CommTimer, StepTimer, clock_for, window_figures
-from lightning_mgpu.core.training_events import EventLog
+from lightning_mgpu.core.training_events import EventLog, RecordsEvents
 from lightning_mgpu.core.validation import check_bool, check_int, check_number, check_positive, check_str
 from lightning_mgpu.ddp.data_parallel import DataParallelStrategy
-from lightning_mgpu.memory.gpu_memory_monitor import GPUMemoryMonitor
-from lightning_mgpu.memory.prometheus_exporter import PrometheusExporter
 from lightning_mgpu.performance.flops import FlopCount, matmul_dtype, measure_matmul_flops, table_peak_flops
 from lightning_mgpu.performance.stragglers import StragglerWatch
 
@@ -33,7 +32,7 @@ class StragglerWarning(UserWarning):
     """Emitted by :class:`PerformanceMonitor` when one rank keeps the others waiting."""
 
 
-class PerformanceMonitor(Callback):
+class PerformanceMonitor(RecordsEvents, Callback):
     """Log, per optimizer step and per rank, where training time goes, with no host synchronisation.
 
     The training thread reads the host's clock at the loop's hooks: a batch arriving, the optimizer starting, the
@@ -227,9 +226,10 @@ class PerformanceMonitor(Callback):
                 "DDP without a ddp_comm_hook of Lightning's)."
             )
         if self._exporter is None and self.prometheus_port is None:
-            # join a GPUMemoryMonitor's endpoint if one serves (its setup has run by now, wherever it is in the list)
-            memory = next((cb for cb in trainer.callbacks if isinstance(cb, GPUMemoryMonitor)), None)
-            self._exporter = memory.exporter if memory is not None else None
+            # join the endpoint a callback of this fit serves (GPUMemoryMonitor's: its setup has run by now, wherever
+            # it is in the list)
+            serving = (cb.exporter for cb in trainer.callbacks if isinstance(cb, ServesPrometheus) and cb is not self)
+            self._exporter = next((exporter for exporter in serving if exporter is not None), None)
         count = getattr(pl_module, "tokens_in_batch", None)
         self._count_tokens = count if callable(count) else None
         self._counts_tokens = self._count_tokens is not None or self.tokens_key is not None

@@ -19,7 +19,7 @@ from lightning_mgpu.core._logging import (
     show_in_progress_bar,
 )
 from lightning_mgpu.core.step_pieces import current_piece_share
-from lightning_mgpu.core.training_events import EventLog
+from lightning_mgpu.core.training_events import EventLog, RecordsEvents
 from lightning_mgpu.core.validation import check_bool, check_choice, check_int, check_positive
 from lightning_mgpu.stability._amp import loss_scale, params_to_step
 from lightning_mgpu.stability._grad_norms import clear_gradient_norms, gradient_norms
@@ -49,7 +49,7 @@ class RollbackLimitError(RuntimeError):
     """Raised by :class:`NaNSkip` on every rank when a bad step would exceed ``max_rollbacks``."""
 
 
-class NaNSkip(Callback):
+class NaNSkip(RecordsEvents, Callback):
     """Skip every optimizer step whose loss or gradients are not finite, on every rank, and keep training.
 
     A skipped step leaves parameters, optimizer state (moments, step counters) and BatchNorm running statistics

@@ -17,8 +17,8 @@ from torch.utils.data.dataloader import default_collate
 
 from lightning_mgpu import PerformanceMonitor
 from lightning_mgpu.core import compat
+from lightning_mgpu.core.prometheus_exporter import PrometheusExporter
 from lightning_mgpu.core.step_timing import STEP_METRICS
-from lightning_mgpu.memory.prometheus_exporter import PrometheusExporter
 from tests.helpers.processes import REPO, run_script
 
 SCRIPT = Path(REPO) / "tests" / "helpers" / "perf_fit.py"
@@ -69,11 +69,10 @@ def fit(tmp_path, model, monitor, **kwargs):
     options = {"max_steps": 12, "log_every_n_steps": 4, "limit_val_batches": 2, "num_sanity_val_steps": 0}
     trainer = pl.Trainer(
         accelerator="cpu",
-        callbacks=[monitor],
         logger=CSVLogger(tmp_path, name="", version=""),
         enable_checkpointing=False,
         enable_model_summary=False,
-        **{**options, **kwargs},
+        **{"callbacks": [monitor], **options, **kwargs},
     )
     trainer.fit(model)
     return trainer
@@ -228,6 +227,23 @@ def run_fit(out: Path, *args: object) -> dict:
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(200)
+def test_without_a_port_of_its_own_it_serves_its_gauges_on_the_memory_monitors_endpoint(tmp_path):
+    from lightning_mgpu import GPUMemoryMonitor
+
+    memory = GPUMemoryMonitor(sample_hz=20, prometheus_port=0)
+    pages = []
+
+    class ReadTheEndpoint(pl.Callback):
+        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            with urllib.request.urlopen(memory.prometheus_url, timeout=10) as response:
+                pages.append(response.read().decode())
+
+    monitor = PerformanceMonitor()  # no prometheus_port: it joins the endpoint the memory monitor serves
+    fit(tmp_path, SlowLoaderModel(), monitor, callbacks=[memory, monitor, ReadTheEndpoint()])
+    assert 'lightning_mgpu_perf_step_ms{rank="0"' in pages[0]
+    assert "lightning_mgpu_host_" in pages[0]  # the memory monitor's own gauges, on the same page
+
+
 def test_two_ranks_log_summaries_and_the_slowed_rank_is_named(tmp_path):
     slow_ms = 30
     records = run_fit(tmp_path, "--steps", 30, "--log-every", 5, "--slow-rank", 1, "--slow-ms", slow_ms)

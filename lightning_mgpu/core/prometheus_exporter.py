@@ -1,11 +1,41 @@
-"""Serve the memory samples as Prometheus gauges over HTTP, labelled by rank and GPU UUID."""
+"""A Prometheus endpoint over HTTP: gauges labelled by rank and GPU UUID, shared by the pack's monitors.
 
-from collections.abc import Sequence
-from typing import Any
+GPUMemoryMonitor serves its memory samples here; PerformanceMonitor adds its step-time gauges to the endpoint of a
+:class:`ServesPrometheus` callback of the same fit, or serves its own.
+"""
 
-from lightning_mgpu.memory.memory_sampler import GPU_METRICS, HOST_METRICS, MemorySample, MonitoredGPU
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 NAMESPACE = "lightning_mgpu"
+
+
+class LabelledGPU(Protocol):
+    """A GPU's labels: its slot in this process (``gpu0``) and its UUID."""
+
+    @property
+    def slot(self) -> str:
+        """``gpu0`` for this process's first device."""
+        ...
+
+    @property
+    def uuid(self) -> str:
+        """The NVML UUID, or ``"unknown"``."""
+        ...
+
+
+class Sample(Protocol):
+    """What one sample holds: the training step, and values by ``<slot>/<metric>`` and ``host/<metric>``."""
+
+    @property
+    def step(self) -> int:
+        """The training step the sample was taken at."""
+        ...
+
+    @property
+    def values(self) -> Mapping[str, float | None]:
+        """The values read, ``None`` where unknown."""
+        ...
 
 
 class PrometheusExporter:
@@ -21,18 +51,30 @@ class PrometheusExporter:
         host: the address to bind; ``127.0.0.1`` keeps it off the network.
         rank: the process's global rank, a label on every gauge.
         gpus: the GPUs this process samples.
+        gpu_metrics: the metric names of each GPU's gauges (``used_mb``...); none without samples to serve.
+        host_metrics: the metric names of the host's gauges.
 
     Example::
 
-        exporter = PrometheusExporter(port=9400, host="127.0.0.1", rank=0, gpus=gpus)
+        exporter = PrometheusExporter(9400, "127.0.0.1", rank=0, gpus=gpus, gpu_metrics=GPU_METRICS)
         exporter.start()  # http://127.0.0.1:9400/metrics
     """
 
-    def __init__(self, port: int, host: str, rank: int, gpus: Sequence[MonitoredGPU]) -> None:
+    def __init__(
+        self,
+        port: int,
+        host: str,
+        rank: int,
+        gpus: Sequence[LabelledGPU],
+        gpu_metrics: Sequence[str] = (),
+        host_metrics: Sequence[str] = (),
+    ) -> None:
         self.port = port
         self.host = host
         self.rank = str(rank)
         self.gpus = list(gpus)
+        self.gpu_metrics = tuple(gpu_metrics)
+        self.host_metrics = tuple(host_metrics)
         self.url: str | None = None
         self._server: Any = None
         self._registry: Any = None
@@ -43,11 +85,11 @@ class PrometheusExporter:
         from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
         registry = self._registry = CollectorRegistry()
-        for metric in GPU_METRICS:
+        for metric in self.gpu_metrics:
             self._gauges[f"gpu/{metric}"] = Gauge(
                 f"gpu_{metric}", f"GPU {metric}", ["rank", "gpu", "uuid"], namespace=NAMESPACE, registry=registry
             )
-        for metric in HOST_METRICS:
+        for metric in self.host_metrics:
             self._gauges[f"host/{metric}"] = Gauge(
                 f"host_{metric}", f"host {metric}", ["rank"], namespace=NAMESPACE, registry=registry
             )
@@ -59,17 +101,17 @@ class PrometheusExporter:
         self.url = f"http://{self.host}:{bound_port}/metrics"
         return self.url
 
-    def __call__(self, sample: MemorySample) -> None:
+    def __call__(self, sample: Sample) -> None:
         """Update the gauges from one sample (called from the sampler thread)."""
         if not self._gauges:
             return
         self._gauges["step"].labels(self.rank).set(sample.step)
         for gpu in self.gpus:
-            for metric in GPU_METRICS:
+            for metric in self.gpu_metrics:
                 value = sample.values.get(f"{gpu.slot}/{metric}")
                 if value is not None:
                     self._gauges[f"gpu/{metric}"].labels(self.rank, gpu.slot, gpu.uuid).set(value)
-        for metric in HOST_METRICS:
+        for metric in self.host_metrics:
             value = sample.values.get(f"host/{metric}")
             if value is not None:
                 self._gauges[f"host/{metric}"].labels(self.rank).set(value)
@@ -103,3 +145,16 @@ class PrometheusExporter:
             self._server = None
         self._gauges = {}
         self._registry = None
+
+
+class ServesPrometheus:
+    """A callback that may serve a Prometheus endpoint other callbacks of its fit add their gauges to.
+
+    A declared role, read with ``isinstance``: GPUMemoryMonitor serves one with ``prometheus_port``, and
+    PerformanceMonitor without a port of its own adds its gauges there.
+    """
+
+    @property
+    def exporter(self) -> PrometheusExporter | None:
+        """The endpoint this callback serves now, or ``None``."""
+        return None
