@@ -11,11 +11,13 @@ restored. :class:`ExactResume` is the strategies' part of the fix:
   many batches of the epoch were trained;
 - a fit resumed from it replays the epoch's draw, passes over the trained batches without reading them, and puts each
   rank's streams back at ``on_train_start``;
-- a callback whose state differs between ranks (NaNSkip's loss window) gives it through ``_rank_state()`` at the
-  save and gets its own rank's back through ``_load_rank_state(state)`` at ``on_train_start``, after Lightning
+- a callback whose state differs between ranks (NaNSkip's loss window) declares it (:class:`KeepsRankState`), gives
+  it through ``rank_state()`` at the save and gets its own rank's back through ``load_rank_state(state)`` at
+  ``on_train_start``, after Lightning
   restored rank 0's ``state_dict``.
 """
 
+import abc
 import copy
 import logging
 import os
@@ -42,6 +44,23 @@ from lightning_mgpu.long_runs.resumable_batches import (
 log = logging.getLogger(__name__)
 
 RESUME_CHECKPOINT_KEY = "lightning_mgpu_exact_resume"
+
+
+class KeepsRankState(abc.ABC):
+    """A callback whose state differs between ranks: the pack's strategies save every rank's and give each its own back.
+
+    Lightning's checkpoint holds one ``state_dict`` per callback, rank 0's. A declared role, read with ``isinstance``.
+    """
+
+    state_key: str
+
+    @abc.abstractmethod
+    def rank_state(self) -> dict[str, Any]:
+        """This rank's part of the state, at a save (every rank)."""
+
+    @abc.abstractmethod
+    def load_rank_state(self, state: dict[str, Any]) -> None:
+        """Take this rank's part back, at the start of a resumed fit."""
 
 
 class ExactResume:
@@ -123,7 +142,7 @@ class ExactResume:
         mine = {
             "random": capture_random_states(device, replicas),
             "epoch_start": self.batches.epoch_start if self.batches is not None else None,
-            "callbacks": {cb.state_key: cb._rank_state() for cb in trainer.callbacks if hasattr(cb, "_rank_state")},
+            "callbacks": {cb.state_key: cb.rank_state() for cb in trainer.callbacks if isinstance(cb, KeepsRankState)},
         }
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         ranks: list[Any] = [mine]
@@ -164,8 +183,8 @@ class ExactResume:
         restore_random_states(loaded["random"], device, replicas)
         saved = loaded.get("callbacks", {})
         for callback in trainer.callbacks if trainer is not None else ():
-            if hasattr(callback, "_load_rank_state") and callback.state_key in saved:
-                callback._load_rank_state(saved[callback.state_key])
+            if isinstance(callback, KeepsRankState) and callback.state_key in saved:
+                callback.load_rank_state(saved[callback.state_key])
 
     def teardown(self) -> None:
         """Forget a checkpoint that no fit resumed from (a ``validate(ckpt_path=...)``)."""

@@ -21,6 +21,7 @@ from lightning_mgpu.core._logging import (
 from lightning_mgpu.core.step_pieces import current_piece_share
 from lightning_mgpu.core.training_events import EventLog, RecordsEvents
 from lightning_mgpu.core.validation import check_bool, check_choice, check_int, check_positive
+from lightning_mgpu.long_runs.exact_resume import KeepsRankState
 from lightning_mgpu.stability._amp import loss_scale, params_to_step
 from lightning_mgpu.stability._grad_norms import clear_gradient_norms, gradient_norms
 from lightning_mgpu.stability._step_verdict import (
@@ -49,7 +50,7 @@ class RollbackLimitError(RuntimeError):
     """Raised by :class:`NaNSkip` on every rank when a bad step would exceed ``max_rollbacks``."""
 
 
-class NaNSkip(RecordsEvents, Callback):
+class NaNSkip(RecordsEvents, KeepsRankState, Callback):
     """Skip every optimizer step whose loss or gradients are not finite, on every rank, and keep training.
 
     A skipped step leaves parameters, optimizer state (moments, step counters) and BatchNorm running statistics
@@ -751,11 +752,14 @@ class NaNSkip(RecordsEvents, Callback):
             way.remove()
         self._routes, self._masks, self._host_reasons = {}, {}, {}
 
-    def _rank_state(self) -> dict[str, Any]:
+    @override
+    def rank_state(self) -> dict[str, Any]:
         """What differs between ranks, for the pack's strategies to save from every rank: the loss window."""
         return {"loss_window": self._loss_window.state_dict()} if self._loss_window is not None else {}
 
-    def _load_rank_state(self, state: dict[str, Any]) -> None:
+    @override
+    def load_rank_state(self, state: dict[str, Any]) -> None:
+        """Take this rank's loss window back."""
         if self._loss_window is not None and "loss_window" in state:
             self._loss_window.load_state_dict(state["loss_window"])
 

@@ -13,6 +13,8 @@ from torch import nn
 from torch.multiprocessing.spawn import ProcessExitedException
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_mgpu.long_runs.exact_resume import KeepsRankState
+
 IN_FEATURES, HIDDEN, CLASSES = 12, 16, 4
 
 
@@ -183,7 +185,7 @@ class RankStateDump(pl.Callback):
             "skipped_steps": next((c.skipped_steps for c in trainer.callbacks if hasattr(c, "skipped_steps")), None),
             "spiked_steps": next((c.spiked_steps for c in trainer.callbacks if hasattr(c, "spiked_steps")), None),
             "rollbacks": next((c.rollbacks for c in trainer.callbacks if hasattr(c, "rollbacks")), None),
-            "rank_state": next((c._rank_state() for c in trainer.callbacks if hasattr(c, "_rank_state")), None),
+            "rank_state": next((c.rank_state() for c in trainer.callbacks if isinstance(c, KeepsRankState)), None),
             "events": [
                 (e.step, e.kind, e.detail) for c in trainer.callbacks if hasattr(c, "events") for e in c.events.since(0)
             ],
