@@ -72,7 +72,10 @@ def test_every_shipped_config_parses_and_builds_the_strategy_and_every_callback(
     assert cli.datamodule.batch_size == EXPECTED_BATCH[name]  # blobs.yaml reads ${per_device_batch_size}
     trainer = cli.trainer if cli.trainer is not None else cli.cpu_trainer
     assert cli.trainer is not None or name in CUDA_CONFIGS
-    assert trainer.strategy is cli.config_init["trainer"]["strategy"]
+    configured = cli.config_init["trainer"]["strategy"]
+    # the configured MultiGPUStrategy runs, or (one device here) hands the Trainer the strategy it chose
+    assert trainer.strategy is configured or trainer.strategy.choice is configured.choice
+    assert isinstance(configured, MultiGPUStrategy) and configured.choice is not None
     assert {type(cb) for cb in trainer.callbacks} >= wanted
     if name in CUDA_CONFIGS:
         assert trainer_config["precision"] == "bf16-mixed" and trainer.precision == "bf16-mixed"

@@ -228,7 +228,7 @@ class PerformanceMonitor(RecordsEvents, Callback):
         if self._exporter is None and self.prometheus_port is None:
             # join the endpoint a callback of this fit serves (GPUMemoryMonitor's: its setup has run by now, wherever
             # it is in the list)
-            serving = (cb.exporter for cb in trainer.callbacks if isinstance(cb, ServesPrometheus) and cb is not self)
+            serving = (cb.exporter for cb in trainer.callbacks if isinstance(cb, ServesPrometheus))
             self._exporter = next((exporter for exporter in serving if exporter is not None), None)
         count = getattr(pl_module, "tokens_in_batch", None)
         self._count_tokens = count if callable(count) else None

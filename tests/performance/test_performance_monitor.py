@@ -224,9 +224,6 @@ def run_fit(out: Path, *args: object) -> dict:
     return records
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
-@pytest.mark.timeout(200)
 def test_without_a_port_of_its_own_it_serves_its_gauges_on_the_memory_monitors_endpoint(tmp_path):
     from lightning_mgpu import GPUMemoryMonitor
 
@@ -244,6 +241,9 @@ def test_without_a_port_of_its_own_it_serves_its_gauges_on_the_memory_monitors_e
     assert "lightning_mgpu_host_" in pages[0]  # the memory monitor's own gauges, on the same page
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
 def test_two_ranks_log_summaries_and_the_slowed_rank_is_named(tmp_path):
     slow_ms = 30
     records = run_fit(tmp_path, "--steps", 30, "--log-every", 5, "--slow-rank", 1, "--slow-ms", slow_ms)
