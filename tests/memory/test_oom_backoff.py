@@ -119,8 +119,9 @@ def test_nan_skip_judges_a_split_batch_by_the_whole_batchs_loss(tmp_path, where)
     (split, backoff), (whole, _) = run(oom=True), run(oom=False)
     assert (backoff.recoveries, backoff.micro_batch_size) == (1, 4)
     assert int(split.skipped_steps) == int(whole.skipped_steps) == 0
-    assert int(split._loss_window.count) == int(whole._loss_window.count) == 8  # full: the last 8 steps' losses
-    for ours, theirs in zip(split._loss_window.statistics(), whole._loss_window.statistics(), strict=True):
+    split_window, whole_window = split._tally.loss_window, whole._tally.loss_window
+    assert int(split_window.count) == int(whole_window.count) == 8  # full: the last 8 steps' losses
+    for ours, theirs in zip(split_window.statistics(), whole_window.statistics(), strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
 
 

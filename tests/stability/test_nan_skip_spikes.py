@@ -62,13 +62,14 @@ def test_the_window_does_not_take_in_the_spike_and_resumes_from_a_checkpoint(tmp
     skip = spike_skip()
     model = BatchNormClassifier((8,), steps=STEPS, lr=0.01, optimizer="adam", inject=("loss_spike", 0, SPIKE_STEP))
     fit_one(model, tmp_path, callbacks=[skip], steps=STEPS)
-    window = skip._loss_window
+    window = skip._tally.loss_window
     values = window.values[0].tolist()
     assert int(window.count) == 20 and max(values) < 10  # the last 20 accepted losses, the spike (~1000x) not among
     state = skip.state_dict()
     restored = spike_skip()
     restored.load_state_dict(state)
-    for ours, theirs in ((window, restored._loss_window), (skip._norm_windows[0], restored._norm_windows[0])):
+    norm_windows = (skip._tally.norm_windows[0], restored._tally.norm_windows[0])
+    for ours, theirs in ((window, restored._tally.loss_window), norm_windows):
         assert theirs.values.tolist() == ours.values.tolist()
         assert (int(theirs.next), int(theirs.count)) == (int(ours.next), int(ours.count))
         assert [t.tolist() for t in theirs.statistics()] == [t.tolist() for t in ours.statistics()]
@@ -153,7 +154,7 @@ def test_no_false_positive_in_a_clean_200_step_run_of_the_example_model(monkeypa
     trainer.fit(BlobClassifier(), datamodule=SyntheticBlobs())
     assert trainer.global_step == 200
     assert (skip.skipped_steps, skip.spiked_steps) == (0, 0)
-    assert int(skip._loss_window.count) == int(skip._norm_windows[0].count) == 128  # the test did run
+    assert int(skip._tally.loss_window.count) == int(skip._tally.norm_windows[0].count) == 128  # the test did run
 
 
 # --- rollback -----------------------------------------------------------------------------------------------------
@@ -284,7 +285,7 @@ def test_each_optimizer_has_its_own_gradient_norm_window(tmp_path):
     skip = spike_skip(spike_on="grad_norm")
     fit_one(TwoOptimizers(), tmp_path, callbacks=[skip], steps=240)
     assert (skip.skipped_steps, skip.optimizer_steps) == (0, 240)
-    assert [int(window.count) for window in skip._norm_windows] == [20, 20]  # both tested, neither flagged
+    assert [int(window.count) for window in skip._tally.norm_windows] == [20, 20]  # both tested, neither flagged
 
 
 @pytest.mark.distributed
