@@ -5,7 +5,7 @@ import functools
 import inspect
 import os
 from datetime import timedelta
-from typing import Any, Literal, TypeAlias, get_args
+from typing import Any, ClassVar, Literal, TypeAlias
 
 import lightning.pytorch as pl
 import torch
@@ -20,40 +20,37 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_mgpu.core import compat
-from lightning_mgpu.core.blocks import apply_activation_checkpointing, check_class_names
+from lightning_mgpu.core.blocks import apply_activation_checkpointing
 from lightning_mgpu.core.distributed_batchnorm import has_batchnorm
+from lightning_mgpu.core.options import ENGINE_OPTIONS, Option, SyncBatchNormSetting, validate, with_options
 from lightning_mgpu.core.step_timing import CommTimer
 from lightning_mgpu.core.strategy_choice import StrategyChoice
 from lightning_mgpu.core.sync_batchnorm import DeviceAgnosticSyncBatchNorm
-from lightning_mgpu.core.validation import check_bool, check_choice, check_int, check_positive
 from lightning_mgpu.ddp.bucket_tuning import BucketTuningResult
-from lightning_mgpu.ddp.comm_hooks import (
-    COMM_HOOK_NAMES,
-    CommHookName,
-    register_comm_hook,
-    register_timed_allreduce,
-)
+from lightning_mgpu.ddp.comm_hooks import register_comm_hook, register_timed_allreduce
 from lightning_mgpu.ddp.ddp_bucket_tuning import (
     BUCKET_TUNING_CHECKPOINT_KEY,
     MIN_BUCKET_TUNING_STEPS,
     DDPBucketTuning,
 )
+from lightning_mgpu.ddp.options import (
+    DDP_OPTIONS,
+    TUNABLE_COMM_HOOKS,
+    BucketCapSetting,
+    CommHookSetting,
+    StartMethod,
+    TunableCommHook,
+    tunable_hooks,
+)
 from lightning_mgpu.ddp.step_flag import StepFlag, register_flagged_hook
 from lightning_mgpu.long_runs.atomic_save import save_atomically
 from lightning_mgpu.long_runs.exact_resume import ExactResume, ExactResumeHooks
-from lightning_mgpu.long_runs.hang_watch import DEFAULT_HANG_TIMEOUT, FitHangWatch, HangWatchHooks
+from lightning_mgpu.long_runs.hang_watch import DEFAULT_HANG_TIMEOUT, HANG_TIMEOUT, FitHangWatch, HangWatchHooks
 from lightning_mgpu.long_runs.preemption import SigtermAgreement, SigtermAgreementHooks
 
-SyncBatchNormSetting: TypeAlias = bool | Literal["auto"]
-StartMethod: TypeAlias = Literal["popen", "spawn", "fork", "forkserver"]
-BucketCapSetting: TypeAlias = float | Literal["auto"] | None
-CommHookSetting: TypeAlias = CommHookName | Literal["auto"] | None
-TunableCommHook: TypeAlias = Literal["fp16", "bf16"]
 CheckpointPath: TypeAlias = str | os.PathLike[str]
 
-TUNABLE_COMM_HOOKS: tuple[str, ...] = ("fp16", "bf16")
-
-# the checkpoint key and the budget floor live with the tuning; importable from here, with the options they belong to
+# the checkpoint key and the budget floor live with the tuning, the option types with the options; importable from here
 __all__ = [
     "BUCKET_TUNING_CHECKPOINT_KEY",
     "MIN_BUCKET_TUNING_STEPS",
@@ -72,6 +69,8 @@ __all__ = [
 _UNUSED_PARAMETERS_ERROR = "Expected to have finished reduction in the prior iteration"
 
 
+# the Args: section is generated from the declarations (core/options.py, ddp/options.py, long_runs/hang_watch.py)
+@with_options(ENGINE_OPTIONS, DDP_OPTIONS, (HANG_TIMEOUT,))
 class DDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, compat.DDPStrategyBase):
     """Lightning's DDPStrategy whose options are plain values, so a strategy name or a YAML config can set them.
 
@@ -105,42 +104,6 @@ class DDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, compa
       atomically, and a hang watchdog (``hang_timeout``; :mod:`lightning_mgpu.long_runs.hang_watch`) names a rank
       that stopped making progress, with every rank's stack, and ends every rank with status 124.
 
-    Args:
-        accelerator: set by the Trainer.
-        parallel_devices: set by the Trainer.
-        cluster_environment: set by the Trainer.
-        checkpoint_io: set by the Trainer.
-        precision_plugin: set by the Trainer.
-        sync_batchnorm: ``True``, ``False`` or ``"auto"``.
-        bucket_cap_mb: DDP gradient bucket size in MB; ``None`` keeps torch's default (25); ``"auto"`` times
-            candidate sizes on the first training steps and keeps the fastest.
-        bucket_tuning_steps: at most this many optimizer steps are spent timing ``"auto"`` settings (at least 10).
-        gradient_as_bucket_view: let gradients be views into the DDP buckets (saves one copy and memory).
-        static_graph: promise DDP the set of used parameters never changes between steps.
-        find_unused_parameters: let DDP detect parameters that got no gradient in a step (costs a graph walk).
-        broadcast_buffers: ``False`` stops DDP copying rank 0's buffers (BatchNorm running statistics...) to every
-            rank, at the start and before each forward: for buffers kept per rank on purpose. ``None`` leaves torch's
-            default (copied). torch 2.13 deprecates it for ``forward_sync_buffers`` (a keyword argument here), which
-            still copies them once at the start.
-        comm_hook: ``None``, ``"fp16"``, ``"bf16"``, ``"powersgd"`` or ``"auto"`` (time ``comm_hook_candidates``).
-        comm_hook_candidates: the hooks ``comm_hook="auto"`` may choose, from ``"fp16"`` and ``"bf16"``; ``None``
-            allows both. Only with ``comm_hook="auto"``.
-        powersgd_rank: rank of the PowerSGD low-rank approximation.
-        powersgd_warmup_steps: optimizer steps of exact all-reduce before PowerSGD starts compressing.
-        activation_checkpointing: ``None``, ``"auto"`` (the model's repeated blocks, see
-            :func:`~lightning_mgpu.core.blocks.find_repeated_blocks`) or class names of modules whose activations
-            are recomputed in the backward instead of kept (torch's non-reentrant checkpoint), applied at ``setup``.
-        start_method: how processes are started: ``"popen"`` (re-run the script), ``"spawn"``, ``"fork"``
-            or ``"forkserver"``.
-        timeout: process group timeout.
-        process_group_backend: ``"gloo"``, ``"nccl"``, ...; ``None`` picks by device.
-        hang_timeout: seconds a rank's training may make no progress before every rank writes
-            ``<log_dir>/hang_report_rank<r>.txt`` (the stuck ranks, every rank's stack) and exits with status 124;
-            ``None`` turns the watchdog off. It runs in fits of several processes, from the second training batch.
-        **kwargs: any further keyword argument of ``torch.nn.parallel.DistributedDataParallel``, or of Lightning's
-            ``DDPStrategy`` (``ddp_comm_state``, ``ddp_comm_hook``, ``ddp_comm_wrapper``, ``model_averaging_period``).
-            From a LightningCLI YAML config they go under ``dict_kwargs:`` next to ``init_args:``.
-
     Raises:
         TypeError: an option of the wrong type (a non-bool flag, a non-int step count, a ``bucket_cap_mb`` that is
             not a number, ``"auto"`` or None, a ``comm_hook``, ``sync_batchnorm`` or ``start_method`` of no allowed
@@ -156,6 +119,8 @@ class DDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, compa
         trainer.fit(model)
         trainer.strategy.bucket_tuning  # BucketTuningResult(bucket_cap_mb=50, comm_hook=None, reason='tuned', ...)
     """
+
+    OPTIONS: ClassVar[tuple[Option, ...]]  # the declared options this class takes, in its signature's order
 
     def __init__(
         self,
@@ -182,37 +147,8 @@ class DDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, compa
         hang_timeout: float | None = DEFAULT_HANG_TIMEOUT,
         **kwargs: Any,
     ) -> None:
-        owner = type(self).__name__
-        check_positive(owner, "hang_timeout", hang_timeout, allow_none=True, unit="seconds", hint="None turns it off")
         _check_ddp_kwargs(self, kwargs)
-        check_class_names(owner, "activation_checkpointing", activation_checkpointing, allow_none=True)
-        check_choice(owner, "sync_batchnorm", sync_batchnorm, (True, False, "auto"))
-        if bucket_cap_mb is not None and bucket_cap_mb != "auto":
-            check_positive(
-                owner,
-                "bucket_cap_mb",
-                bucket_cap_mb,
-                unit="MB",
-                hint="use None for torch's default (25) or 'auto' to time sizes on the first steps",
-            )
-        if kwargs.get("bucket_cap_mb_list") and bucket_cap_mb is not None:  # torch reads an empty list as none
-            # torch builds every bucket from the list and ignores bucket_cap_mb: a size, or timed sizes, would not apply
-            raise ValueError(
-                f"{owner}: bucket_cap_mb={bucket_cap_mb!r} and bucket_cap_mb_list={kwargs['bucket_cap_mb_list']!r} both"
-                " set the bucket sizes, and DistributedDataParallel ignores bucket_cap_mb when given a list. Pass"
-                " bucket_cap_mb=None to keep the list's sizes, or leave bucket_cap_mb_list out"
-                + (" to let 'auto' time sizes" if bucket_cap_mb == "auto" else "")
-            )
-        check_int(owner, "bucket_tuning_steps", bucket_tuning_steps, minimum=MIN_BUCKET_TUNING_STEPS)
-        check_bool(owner, "gradient_as_bucket_view", gradient_as_bucket_view)
-        check_bool(owner, "static_graph", static_graph)
-        check_bool(owner, "find_unused_parameters", find_unused_parameters)
-        check_bool(owner, "broadcast_buffers", broadcast_buffers, allow_none=True)
-        check_choice(owner, "comm_hook", comm_hook, (None, "auto", *COMM_HOOK_NAMES))
-        hook_candidates = _check_comm_hook_candidates(owner, comm_hook, comm_hook_candidates, kwargs)
-        check_int(owner, "powersgd_rank", powersgd_rank, minimum=1)
-        check_int(owner, "powersgd_warmup_steps", powersgd_warmup_steps, minimum=0)
-        check_choice(owner, "start_method", start_method, get_args(StartMethod))
+        validate(type(self).__name__, DDPStrategy.OPTIONS, locals())
         ddp_kwargs = dict(
             kwargs,
             gradient_as_bucket_view=gradient_as_bucket_view,
@@ -240,7 +176,7 @@ class DDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, compa
         self.bucket_cap_mb = bucket_cap_mb
         self.bucket_tuning_steps = bucket_tuning_steps
         self.comm_hook = comm_hook
-        self.comm_hook_candidates = hook_candidates
+        self.comm_hook_candidates = tunable_hooks(comm_hook, comm_hook_candidates)
         # what bucket_cap_mb="auto" / comm_hook="auto" settled on; None until the first training batch
         self.bucket_tuning: BucketTuningResult | None = None
         self._tuning = DDPBucketTuning(self)
@@ -494,33 +430,3 @@ def _check_ddp_kwargs(strategy: LightningDDPStrategy, kwargs: dict[str, Any]) ->
             + "; further keyword arguments go to torch.nn.parallel.DistributedDataParallel or Lightning's DDPStrategy:"
             f" {', '.join(sorted(accepted))}"
         )
-
-
-def _check_comm_hook_candidates(owner: str, comm_hook: Any, candidates: Any, ddp_kwargs: dict) -> tuple[str, ...]:
-    allowed = ", ".join(map(repr, TUNABLE_COMM_HOOKS))
-    if comm_hook != "auto":
-        if candidates is not None:
-            raise ValueError(
-                f"{owner}: comm_hook_candidates={candidates!r} only applies with comm_hook='auto', got "
-                f"comm_hook={comm_hook!r}"
-            )
-        return ()
-    if ddp_kwargs.get("ddp_comm_hook") is not None:
-        raise ValueError(f"{owner}: comm_hook='auto' chooses the hook itself; drop ddp_comm_hook or name a comm_hook")
-    if candidates is None:
-        return TUNABLE_COMM_HOOKS
-    if isinstance(candidates, str) or not isinstance(candidates, (list, tuple)) or not candidates:
-        raise TypeError(
-            f"{owner}: comm_hook_candidates must be a non-empty list of hook names from {allowed}, got {candidates!r}"
-        )
-    for name in candidates:
-        if name in TUNABLE_COMM_HOOKS:
-            continue
-        message = f"{owner}: comm_hook_candidates may hold {allowed}, got {name!r}"
-        if name == "powersgd":
-            message += (
-                " (its warm-up steps are exact all-reduces, so a short trial cannot time it); use comm_hook='powersgd'"
-                " to choose it yourself"
-            )
-        raise ValueError(message)
-    return tuple(dict.fromkeys(candidates))

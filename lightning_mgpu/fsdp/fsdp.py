@@ -6,7 +6,7 @@ from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -31,20 +31,19 @@ from torch.distributed.fsdp import (
 from typing_extensions import override
 
 from lightning_mgpu.core import compat
-from lightning_mgpu.core.blocks import apply_activation_checkpointing, check_class_names, sharding_units
+from lightning_mgpu.core.blocks import apply_activation_checkpointing, sharding_units
 from lightning_mgpu.core.distributed_batchnorm import has_batchnorm
+from lightning_mgpu.core.options import ENGINE_OPTIONS, Option, SyncBatchNormSetting, validate, with_options
 from lightning_mgpu.core.strategy_choice import StrategyChoice
 from lightning_mgpu.core.sync_batchnorm import DeviceAgnosticSyncBatchNorm
-from lightning_mgpu.core.validation import check_bool, check_choice, check_int, check_positive
 from lightning_mgpu.fsdp.memory_plan import MemoryPlan
+from lightning_mgpu.fsdp.options import FSDP_OPTIONS, Sharding
 from lightning_mgpu.fsdp.sharded_state import SHARDED_CALLBACK_STATES, ShardedCallbackState
 from lightning_mgpu.long_runs.atomic_save import replace_folder, save_atomically, staging_folder
 from lightning_mgpu.long_runs.exact_resume import ExactResume, ExactResumeHooks
-from lightning_mgpu.long_runs.hang_watch import DEFAULT_HANG_TIMEOUT, FitHangWatch, HangWatchHooks
+from lightning_mgpu.long_runs.hang_watch import DEFAULT_HANG_TIMEOUT, HANG_TIMEOUT, FitHangWatch, HangWatchHooks
 from lightning_mgpu.long_runs.preemption import SigtermAgreementHooks, release_mesh_at_exit
 
-Sharding = Literal["full", "grad_op", "hybrid"]
-SHARDINGS: tuple[str, ...] = ("full", "grad_op", "hybrid")
 # the dimensions of hybrid sharding's device mesh: replicas across groups, shards within one
 HYBRID_MESH_DIMS = ("replicate", "shard")
 # Trainer precision -> FSDP2 parameter dtype for the forward and backward (gradients are reduced in float32)
@@ -54,6 +53,8 @@ _SUPPORTED_PRECISIONS = ("32-true", "64-true", "bf16-mixed", "bf16-true", "16-tr
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
+# the Args: section is generated from the declarations (core/options.py, fsdp/options.py, long_runs/hang_watch.py)
+@with_options(ENGINE_OPTIONS, FSDP_OPTIONS, (HANG_TIMEOUT,))
 class FSDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, ModelParallelStrategy):
     """Shard an unmodified LightningModule's parameters, gradients and optimizer state across processes with FSDP2.
 
@@ -77,33 +78,6 @@ class FSDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, Mode
     metadata file), and the hang watchdog of the DDP strategies runs here too (``hang_timeout``), as does their
     SIGTERM agreement (every rank stops at one batch, and SLURM's requeue checkpoint is saved there).
 
-    Args:
-        sharding: ``"full"`` shards parameters too, gathering each block for its forward and again for its backward
-            (ZeRO-3); ``"grad_op"`` keeps a block's gathered parameters from its forward to its backward and shards
-            gradients and optimizer state (ZeRO-2-like: less communication, more memory); ``"hybrid"`` shards as
-            ``"full"`` within groups of ``shard_group_size`` processes (one node by default) and replicates across the
-            groups (HSDP, a 2-D device mesh): the all-gathers stay inside a node, and only the gradient all-reduce
-            crosses nodes.
-        shard_group_size: ``"hybrid"`` only: the processes that share one copy of the sharded state; ``None`` takes
-            the processes of one node (the Trainer's ``devices``). The world size must be a multiple of it.
-        shard_units: ``"auto"`` (the repeated blocks) or class names of the modules to shard as units; a class whose
-            modules would split a tied parameter is refused at ``setup``.
-        cpu_offload: keep parameter, gradient and optimizer shards in host memory (CUDA only), computing on the GPU.
-        activation_checkpointing: ``None``, ``"auto"`` (the repeated blocks) or class names of modules whose
-            activations are recomputed in the backward (torch's non-reentrant checkpoint).
-        sync_batchnorm: ``True`` converts BatchNorm layers into :class:`DistributedBatchNorm` (statistics over all
-            processes); ``"auto"`` does so when the model has BatchNorm layers.
-        save_distributed_checkpoint: ``False`` gathers full weights and optimizer state on rank 0 into one file.
-        hang_timeout: seconds a rank's training may make no progress before every rank writes a hang report and
-            exits with status 124 (:mod:`lightning_mgpu.long_runs.hang_watch`); ``None`` turns the watchdog off.
-        timeout: process group timeout.
-        process_group_backend: ``None`` picks gloo for CPU and NCCL for CUDA.
-        accelerator: set by the Trainer.
-        parallel_devices: set by the Trainer.
-        cluster_environment: set by the Trainer.
-        checkpoint_io: set by the Trainer.
-        precision_plugin: set by the Trainer.
-
     Raises:
         ValueError: an unknown ``sharding``, an empty ``shard_units`` list, ``shard_group_size`` that is not a positive
             int or is given without ``sharding="hybrid"`` (at construction); at ``setup``: ``precision="16-mixed"``,
@@ -117,6 +91,8 @@ class FSDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, Mode
         trainer = Trainer(strategy=MultiGPUStrategy(mode="fsdp", sharding="hybrid"), num_nodes=4, devices=8)
     """
 
+    OPTIONS: ClassVar[tuple[Option, ...]]  # the declared options this class takes, in its signature's order
+
     def __init__(
         self,
         sharding: Sharding = "full",
@@ -124,7 +100,7 @@ class FSDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, Mode
         shard_units: Literal["auto"] | list[str] = "auto",
         cpu_offload: bool = False,
         activation_checkpointing: Literal["auto"] | list[str] | None = None,
-        sync_batchnorm: bool | Literal["auto"] = "auto",
+        sync_batchnorm: SyncBatchNormSetting = "auto",
         save_distributed_checkpoint: bool = True,
         hang_timeout: float | None = DEFAULT_HANG_TIMEOUT,
         timeout: timedelta | None = default_pg_timeout,
@@ -136,14 +112,7 @@ class FSDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, Mode
         precision_plugin: Precision | None = None,
     ) -> None:
         owner = type(self).__name__
-        check_choice(owner, "sharding", sharding, SHARDINGS)
-        check_shard_group_size(owner, sharding, shard_group_size)
-        check_class_names(owner, "shard_units", shard_units, allow_none=False)
-        check_class_names(owner, "activation_checkpointing", activation_checkpointing, allow_none=True)
-        check_bool(owner, "cpu_offload", cpu_offload)
-        check_choice(owner, "sync_batchnorm", sync_batchnorm, (True, False, "auto"))
-        check_bool(owner, "save_distributed_checkpoint", save_distributed_checkpoint)
-        check_positive(owner, "hang_timeout", hang_timeout, allow_none=True, unit="seconds", hint="None turns it off")
+        validate(owner, FSDPStrategy.OPTIONS, locals())
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
@@ -364,21 +333,6 @@ class FSDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, Mode
     def local_parameter_count(self) -> int:
         """Parameter elements this process holds (its shards), for comparing memory with DDP."""
         return sum(_local(param).numel() for param in self.lightning_module.parameters())
-
-
-def check_shard_group_size(owner: str, sharding: str, shard_group_size: int | None) -> None:
-    """Check ``shard_group_size`` against ``sharding``.
-
-    Raises:
-        TypeError: not an int or ``None``.
-        ValueError: below 1, or given with a ``sharding`` other than ``"hybrid"``.
-    """
-    check_int(owner, "shard_group_size", shard_group_size, minimum=1, allow_none=True, hint="None takes one node")
-    if shard_group_size is not None and sharding != "hybrid":
-        raise ValueError(
-            f"{owner}: shard_group_size={shard_group_size} applies to sharding='hybrid' only, got "
-            f"sharding={sharding!r}; use sharding='hybrid' or leave shard_group_size=None"
-        )
 
 
 def hybrid_replicas(owner: str, world_size: int, group: int, per_node: bool) -> int:

@@ -26,11 +26,24 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_mgpu.core import compat
+from lightning_mgpu.core.options import DDP, FSDP, MGPU, Option, positive
 from lightning_mgpu.long_runs.hang_watchdog import HangWatchdog
 
 log = logging.getLogger(__name__)
 
 DEFAULT_HANG_TIMEOUT = 600.0  # seconds: longer than any healthy step, checkpoint or validation batch of a real job
+
+# the strategies' option (see lightning_mgpu.core.options)
+HANG_TIMEOUT = Option(
+    "hang_timeout",
+    float | None,
+    DEFAULT_HANG_TIMEOUT,
+    "seconds a rank's training may make no progress before every rank writes `<log_dir>/hang_report_rank<r>.txt` "
+    "(the stuck ranks, every rank's stack) and exits with status 124; `None` turns the watchdog off. It runs in fits "
+    "of several processes, from the second training batch.",
+    (DDP, FSDP, MGPU),
+    positive("seconds", hint="None turns it off"),
+)
 
 
 class FitHangWatch:

@@ -4,7 +4,7 @@ import os
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -19,8 +19,8 @@ from typing_extensions import override
 
 from lightning_mgpu.core import compat
 from lightning_mgpu.core.devices import accelerator_name
+from lightning_mgpu.core.options import ENGINE_OPTIONS, Option, SyncBatchNormSetting, validate, with_options
 from lightning_mgpu.core.strategy_choice import (
-    MODES,
     LaunchContext,
     ModeOrAuto,
     StrategyChoice,
@@ -29,24 +29,23 @@ from lightning_mgpu.core.strategy_choice import (
     force_mode,
     is_interactive,
 )
-from lightning_mgpu.core.validation import check_choice, check_positive
 from lightning_mgpu.ddp.data_parallel import DataParallelStrategy
-from lightning_mgpu.ddp.ddp import (
-    BucketCapSetting,
-    CommHookSetting,
-    DDPStrategy,
-    SyncBatchNormSetting,
-    TunableCommHook,
-)
+from lightning_mgpu.ddp.ddp import DDPStrategy
+from lightning_mgpu.ddp.options import DDP_OPTIONS, BucketCapSetting, CommHookSetting, TunableCommHook
 from lightning_mgpu.ddp.single_device import SingleDeviceStrategy
-from lightning_mgpu.fsdp.fsdp import FSDPStrategy, Sharding, check_precision
+from lightning_mgpu.fsdp.fsdp import FSDPStrategy, check_precision
 from lightning_mgpu.fsdp.memory_plan import MemoryPlan, require_fit
 from lightning_mgpu.fsdp.memory_planning import make_plan
-from lightning_mgpu.long_runs.hang_watch import DEFAULT_HANG_TIMEOUT
+from lightning_mgpu.fsdp.options import FSDP_OPTIONS, Sharding
+from lightning_mgpu.long_runs.hang_watch import DEFAULT_HANG_TIMEOUT, HANG_TIMEOUT
+from lightning_mgpu.multi_gpu.options import MULTI_GPU_OPTIONS
 
 _START_METHODS = {"ddp": "popen", "ddp_spawn": "spawn", "ddp_fork": "fork"}
 
 
+# the Args: section is generated from the declarations (core/options.py, ddp/, fsdp/ and multi_gpu/options.py,
+# long_runs/hang_watch.py)
+@with_options(MULTI_GPU_OPTIONS, ENGINE_OPTIONS, DDP_OPTIONS, FSDP_OPTIONS, (HANG_TIMEOUT,))
 class MultiGPUStrategy(DDPStrategy):
     """Use every device the Trainer was given, choosing how from the hardware and the launch context.
 
@@ -76,49 +75,6 @@ class MultiGPUStrategy(DDPStrategy):
     ``full``, with activation checkpointing, with CPU offload). ``trainer.strategy.plan`` holds the table; for a choice
     other than DDP, the Trainer runs the fit with an :class:`FSDPStrategy` built from this strategy's options.
 
-    Args:
-        mode: ``"auto"`` (the table above) or a forced ``"single"``, ``"dp"``, ``"ddp"``, ``"ddp_spawn"``,
-            ``"ddp_fork"``, or ``"fsdp"``: FSDP2 sharding of the unmodified module, one process per device (the
-            Trainer runs an :class:`FSDPStrategy`, which documents the sharding options below).
-        sync_batchnorm: ``"auto"`` (default) synchronises BatchNorm when the model has some and more than one
-            process trains; ``True`` or ``False`` force it.
-        bucket_cap_mb: ``"auto"`` (default) times candidate gradient bucket sizes on the fit's first optimizer
-            steps and keeps the fastest (see :class:`DDPStrategy`); a number of MB fixes it; ``None`` keeps torch's
-            default (25).
-        bucket_tuning_steps: at most this many optimizer steps are spent timing ``"auto"`` settings; fits shorter
-            than 10 times this keep torch's default untimed.
-        gradient_as_bucket_view: let gradients be views into the DDP buckets.
-        static_graph: promise DDP the set of used parameters never changes.
-        find_unused_parameters: let DDP detect parameters without gradients.
-        broadcast_buffers: ``False`` keeps buffers (BatchNorm running statistics...) per rank instead of copying
-            rank 0's; ``None`` leaves torch's default (see :class:`DDPStrategy`).
-        comm_hook: ``None``, ``"fp16"``, ``"bf16"``, ``"powersgd"`` (all work over gloo and NCCL) or ``"auto"``
-            (time ``comm_hook_candidates`` against no hook, keep one only if faster).
-        comm_hook_candidates: the hooks ``comm_hook="auto"`` may choose, from ``"fp16"`` and ``"bf16"``.
-        powersgd_rank: rank of the PowerSGD approximation.
-        powersgd_warmup_steps: exact all-reduce steps before PowerSGD compresses.
-        sharding: FSDP only: ``"full"`` (parameters, gradients, optimizer state), ``"grad_op"`` (gradients and
-            optimizer state; parameters gathered from forward to backward) or ``"hybrid"`` (``"full"`` within each
-            node, or each group of ``shard_group_size`` processes, replicated across them).
-        shard_group_size: FSDP ``"hybrid"`` only: processes per shard group; ``None`` takes one node's.
-        shard_units: FSDP only: ``"auto"`` (the repeated blocks) or the class names of the sharding units.
-        cpu_offload: FSDP only: keep the shards in host memory (CUDA).
-        activation_checkpointing: DDP and FSDP: ``None``, ``"auto"`` (the repeated blocks) or class names of modules
-            whose activations are recomputed in the backward.
-        memory_budget_mb: with ``mode="auto"`` and several processes, plan against this many MB per device instead of
-            the device's free memory; the plan (see below) then runs on CPU too.
-        hang_timeout: DDP and FSDP modes: seconds a rank may make no progress before every rank writes a hang report
-            and exits with status 124 (see :class:`DDPStrategy`); ``None`` turns the watchdog off.
-        timeout: process group timeout.
-        process_group_backend: ``None`` picks gloo for CPU and NCCL for CUDA.
-        accelerator: set by the Trainer.
-        parallel_devices: set by the Trainer.
-        cluster_environment: set by the Trainer.
-        checkpoint_io: set by the Trainer.
-        precision_plugin: set by the Trainer.
-        **kwargs: any further keyword argument of ``torch.nn.parallel.DistributedDataParallel`` or of Lightning's
-            ``DDPStrategy`` (see :class:`DDPStrategy`); under ``dict_kwargs:`` in a LightningCLI YAML config.
-
     Raises:
         TypeError: a ``mode`` or DDP option of the wrong type, or a keyword argument that neither
             ``DistributedDataParallel`` nor Lightning's ``DDPStrategy`` takes (the message names the closest valid
@@ -136,6 +92,7 @@ class MultiGPUStrategy(DDPStrategy):
     """
 
     strategy_name = "mgpu"
+    OPTIONS: ClassVar[tuple[Option, ...]]  # the declared options this class takes, in its signature's order
 
     def __init__(
         self,
@@ -167,14 +124,11 @@ class MultiGPUStrategy(DDPStrategy):
         precision_plugin: Precision | None = None,
         **kwargs: Any,
     ) -> None:
-        check_choice(type(self).__name__, "mode", mode, MODES)
-        if memory_budget_mb is not None:
-            check_positive(type(self).__name__, "memory_budget_mb", memory_budget_mb, unit="MB", hint="or None")
-        # checked now by the class that uses them, so a bad value fails at construction in every mode
+        # the options DDPStrategy does not take are checked here, in every mode; DDPStrategy checks its own
+        validate(type(self).__name__, [o for o in MultiGPUStrategy.OPTIONS if o not in DDPStrategy.OPTIONS], locals())
         self.fsdp_options = dict(
             sharding=sharding, shard_group_size=shard_group_size, shard_units=shard_units, cpu_offload=cpu_offload
         )
-        FSDPStrategy(**self.fsdp_options, activation_checkpointing=activation_checkpointing)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
