@@ -24,9 +24,10 @@ from lightning_mgpu.core.training_events import EventLog, RecordsEvents
 from lightning_mgpu.core.validation import check_bool, check_choice, check_int, check_str
 from lightning_mgpu.ddp.ddp import DDPStrategy
 from lightning_mgpu.ddp.step_flag import StepFlag
-from lightning_mgpu.memory._oom_training import BackoffOptimization, MicroBatchTrainer, OOMRecoveryError
 from lightning_mgpu.memory.micro_batch_policy import MicroBatchSizePolicy
 from lightning_mgpu.memory.oom import is_out_of_memory, memory_summary, release_memory
+from lightning_mgpu.memory.oom_agreement import OOMRecoveryError
+from lightning_mgpu.memory.oom_training import BackoffOptimization, MicroBatchTrainer
 from lightning_mgpu.memory.step_rollback import StepRollback
 
 LossReduction = Literal["mean", "sum"]
