@@ -19,8 +19,7 @@ MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 60
 
 # what is left of the methods shadowed in instance dicts: the SIGTERM agreement's per-step broadcast and its two
-# signal handlers, the fit loop's run end, a step run in pieces (it collects the module's self.log calls), and
-# OOMBackoff's evaluation steps
+# signal handlers, the fit loop's run end, and a step run in pieces (it collects the module's self.log calls)
 DICT_SURGERY_LEFT = {
     "core/blocks.py:checkpoint_activations",  # activation checkpointing: the user's block's forward, on the instance
     "core/compat/loops.py:replace_sigterm_handling",
@@ -28,16 +27,11 @@ DICT_SURGERY_LEFT = {
     "core/compat/loops.py:run_before_leaving_training",
     "core/compat/loops.py:run_before_leaving_training.undo",
     "core/step_pieces.py:capture_logs",
-    "memory/oom_backoff.py:OOMBackoff._install_eval_wrappers",
-    "memory/oom_backoff.py:OOMBackoff._restore",
 }
 # reads, not surgery: whether Lightning's DDPStrategy defines a private method itself (the compat door's probes)
 DICT_READS = {"core/compat/strategies.py:check_launch_hook", "core/compat/versions.py:<module>"}
-FILES_OVER_LIMIT_LEFT = {"memory/_oom_training.py"}
-FUNCTIONS_OVER_LIMIT_LEFT = {
-    "memory/_oom_training.py:MicroBatchTrainer._run_whole_scaled",
-    "memory/_oom_training.py:MicroBatchTrainer.run_batch",
-}
+FILES_OVER_LIMIT_LEFT: set[str] = set()
+FUNCTIONS_OVER_LIMIT_LEFT: set[str] = set()
 
 
 def _sources() -> list[tuple[str, ast.Module, str]]:

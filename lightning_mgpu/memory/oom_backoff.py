@@ -1,5 +1,6 @@
 """Recover from out-of-memory errors in the middle of ``fit``: back the micro-batch off and keep training."""
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, Literal, get_args
@@ -24,15 +25,15 @@ from lightning_mgpu.core.training_events import EventLog, RecordsEvents
 from lightning_mgpu.core.validation import check_bool, check_choice, check_int, check_str
 from lightning_mgpu.ddp.ddp import DDPStrategy
 from lightning_mgpu.ddp.step_flag import StepFlag
-from lightning_mgpu.memory._oom_training import BackoffOptimization, MicroBatchTrainer, OOMRecoveryError
 from lightning_mgpu.memory.micro_batch_policy import MicroBatchSizePolicy
 from lightning_mgpu.memory.oom import is_out_of_memory, memory_summary, release_memory
+from lightning_mgpu.memory.oom_agreement import OOMRecoveryError
+from lightning_mgpu.memory.oom_training import BackoffOptimization, MicroBatchTrainer
 from lightning_mgpu.memory.step_rollback import StepRollback
 
 LossReduction = Literal["mean", "sum"]
 LOSS_REDUCTIONS: tuple[str, ...] = get_args(LossReduction)
 __all__ = ["OOMBackoff", "OOMRecoveryError"]
-EVAL_STEPS = ("validation_step", "test_step", "predict_step")
 
 
 class OOMBackoff(RecordsEvents, Callback):
@@ -185,7 +186,7 @@ class OOMBackoff(RecordsEvents, Callback):
         self._runner: MicroBatchTrainer | None = None
         self._loop: BackoffOptimization | None = None
         self._trainer: pl.Trainer | None = None
-        self._eval_wrappers: dict[str, Callable[..., Any]] = {}
+        self._eval_route: Callable[[], None] | None = None  # undoes the routing of an evaluation loop's steps
         self._eval_rollback: StepRollback | None = None
         self._largest_batch = 0  # this fit's, for the progress bar: a short last batch is no smaller micro-batch
         self._bar_on = False
@@ -257,8 +258,7 @@ class OOMBackoff(RecordsEvents, Callback):
             # (one bit, in the last bucket itself; in this callback's own steps the loss's gradient is scaled instead
             # of each bucket divided)
             trainer.strategy.step_flag = StepFlag(slots=1, in_place=True)
-        if self.recover_eval:
-            self._install_eval_wrappers(trainer, pl_module)
+        self._eval_rollback = None  # built at the first evaluation step, after configure_model and the device move
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -304,16 +304,14 @@ class OOMBackoff(RecordsEvents, Callback):
         if isinstance(strategy, DDPStrategy) and isinstance(strategy.step_flag, StepFlag):
             strategy.step_flag.release()
             strategy.step_flag = None
-        for hook_name, wrapper in self._eval_wrappers.items():
-            if strategy.__dict__.get(hook_name) is wrapper:
-                delattr(strategy, hook_name)
-        self._eval_wrappers = {}
+        self._stop_eval_routing()
 
     # ------------------------------------------------------------------------ points where every rank meets
     @override
     def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self._runner is not None:
             self._runner.check_peers("before validation")
+        self._route_eval_steps(trainer, pl_module)
 
     @override
     def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict) -> None:
@@ -492,29 +490,46 @@ class OOMBackoff(RecordsEvents, Callback):
                 )
 
     # ------------------------------------------------------------------------------------------- evaluation
-    def _install_eval_wrappers(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        # the strategy's step methods are wrapped, not the module's: Lightning's checks of what the user overrode,
-        # and DataParallel's replicas (copies of the module), see the module as the user wrote it
-        self._eval_rollback = None  # built at the first evaluation step, after configure_model and the device move
-        strategy = trainer.strategy
-        for hook_name in EVAL_STEPS:
-            if hook_name in self._eval_wrappers or hook_name in strategy.__dict__:
-                continue
-            original = getattr(strategy, hook_name)
+    @override
+    def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._stop_eval_routing()
 
-            def wrapper(*args: Any, _hook: str = hook_name, _original: Callable = original, **kwargs: Any) -> Any:
-                return self._evaluation_step(pl_module, _hook, _original, *args, **kwargs)
+    @override
+    def on_test_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._route_eval_steps(trainer, pl_module)
 
-            setattr(strategy, hook_name, wrapper)
-            self._eval_wrappers[hook_name] = wrapper
+    @override
+    def on_test_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._stop_eval_routing()
+
+    @override
+    def on_predict_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._route_eval_steps(trainer, pl_module)
+
+    @override
+    def on_predict_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._stop_eval_routing()
+
+    def _route_eval_steps(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # around Lightning's dispatch of the step, for this loop only: the strategy and the module keep their own
+        # methods, so Lightning's checks of what the user overrode, and DataParallel's replicas (copies of the
+        # module), see them as the user wrote them
+        if self.recover_eval and self._eval_route is None:
+            self._eval_route = compat.route_eval_steps(trainer, functools.partial(self._evaluation_step, pl_module))
+
+    def _stop_eval_routing(self) -> None:
+        if self._eval_route is not None:
+            self._eval_route()
+            self._eval_route = None
 
     def _evaluation_step(
-        self, pl_module: "pl.LightningModule", hook_name: str, original: Callable, batch: Any, *args: Any, **kwargs: Any
+        self, pl_module: "pl.LightningModule", hook_name: str, run: Callable, batch: Any, *args: Any, **kwargs: Any
     ) -> Any:
+        """Run the evaluation step ``hook_name`` through ``run``, split into micro-batches after an OOM."""
         try:
             total = batch_size_of(batch)
         except ValueError:
-            return original(batch, *args, **kwargs)
+            return run(batch, *args, **kwargs)
         size = self.policy.start_eval_batch(total)
         if self._eval_rollback is None:
             self._eval_rollback = StepRollback(pl_module)
@@ -528,7 +543,7 @@ class OOMBackoff(RecordsEvents, Callback):
             try:
                 for piece, samples in pieces:
                     with capture_logs(pl_module, logs, samples):
-                        outputs.append(original(piece, *args, **kwargs))
+                        outputs.append(run(piece, *args, **kwargs))
                 break
             except Exception as err:
                 if rollback is not None:

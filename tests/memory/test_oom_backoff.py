@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _MixedPrecision
 
 from lightning_mgpu import MultiGPUStrategy, NaNSkip, OOMBackoff, OOMRecoveryError, PerformanceMonitor
-from lightning_mgpu.memory import _oom_training
+from lightning_mgpu.memory import oom_whole_batch
 from tests.helpers.oom_models import IndexedData, IndexedRegression
 from tests.helpers.trainer import QUIET, RecordingLogger
 
@@ -467,7 +467,7 @@ def test_nothing_of_the_failed_attempt_is_held_when_its_memory_is_released(tmp_p
     # was read afterwards, on the CPU, and the GPU figure is not re-measured)
     kept_for_the_step = []  # the detached losses the whole-batch attempt keeps for its result, held weakly
     held_when_released = []
-    step_and_backward = _oom_training._step_and_backward
+    step_and_backward = oom_whole_batch.step_and_backward
 
     def recording_step_and_backward(*args, **kwargs):
         losses = kwargs.get("losses", args[5] if len(args) > 5 else None)
@@ -482,8 +482,8 @@ def test_nothing_of_the_failed_attempt_is_held_when_its_memory_is_released(tmp_p
         attempt = [RecordsItsLosses.losses[-1], *kept_for_the_step[-1:]]
         held_when_released.append([ref() is not None for ref in attempt])
 
-    monkeypatch.setattr(_oom_training, "_step_and_backward", recording_step_and_backward)
-    monkeypatch.setattr(_oom_training, "release_memory", release_memory)
+    monkeypatch.setattr(oom_whole_batch, "step_and_backward", recording_step_and_backward)
+    monkeypatch.setattr(oom_whole_batch, "release_memory", release_memory)
     monkeypatch.setattr(RecordsItsLosses, "losses", [])
     fit(tmp_path, [OOMBackoff()], model_class=RecordsItsLosses, oom_above=4, oom_in="backward", max_epochs=1)
     assert held_when_released == [[False, False]]  # the user's loss (logged), and the one kept for the result

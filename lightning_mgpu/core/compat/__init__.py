@@ -40,6 +40,13 @@ from lightning_mgpu.core.compat.loops import (
     slurm_checkpoint_path,
     training_logging_check,
 )
+from lightning_mgpu.core.compat.step_dispatch import (
+    EVAL_STEPS,
+    STEP_DISPATCH_PATCH,
+    eval_step_routes,
+    route_eval_steps,
+    step_dispatch_present,
+)
 from lightning_mgpu.core.compat.strategies import (
     CONNECTOR_PATCHES,
     DDPStrategyBase,
@@ -104,7 +111,9 @@ from lightning_mgpu.core.compat.versions import (
 
 __all__ = [
     "CONNECTOR_PATCHES",
+    "EVAL_STEPS",
     "LIGHTNING_INTERNALS",
+    "STEP_DISPATCH_PATCH",
     "TESTED_LIGHTNING_RANGE",
     "TESTED_TORCH",
     "TESTED_TORCHMETRICS",
@@ -127,6 +136,7 @@ __all__ = [
     "ddp_has_comm_hook",
     "ddp_kwargs",
     "default_store",
+    "eval_step_routes",
     "expect_ddp_backward",
     "foreach_add_",
     "foreach_copy_",
@@ -159,6 +169,7 @@ __all__ = [
     "replace_trainer_strategy",
     "reset_ddp_reduction",
     "restore_sigterm_handling",
+    "route_eval_steps",
     "run_before_leaving_training",
     "running_hook",
     "set_ddp_kwargs",
@@ -171,6 +182,7 @@ __all__ = [
     "should_accumulate",
     "sigterm_internals_missing",
     "slurm_checkpoint_path",
+    "step_dispatch_present",
     "strategy_plugins",
     "supports_amp_scaling",
     "train_dataloader",

@@ -13,6 +13,8 @@ from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from packaging.version import Version
 
+from lightning_mgpu.core.compat.step_dispatch import step_dispatch_present
+
 # lowest tested release, first untested minor: CI runs the suite on the newest 2.6 patch and the strategies, callbacks
 # and configs tests on the newest 2.5 patch; the SIGTERM names were read in the 2.5.2 source, where they appeared
 TESTED_LIGHTNING_RANGE = ("2.5.2", "2.7")
@@ -86,6 +88,8 @@ LIGHTNING_INTERNALS: tuple[Internal, ...] = (
     # where the Trainer keeps its strategy: replace_trainer_strategy hands it the memory plan's FSDPStrategy
     Internal("Trainer._accelerator_connector.strategy", lambda t: _has(getattr(t, "_accelerator_connector", None),
                                                                       "strategy")),
+    # where the loops hand a step to the strategy: OOMBackoff routes the evaluation steps through it
+    Internal("trainer.call._call_strategy_hook", step_dispatch_present),
 )  # fmt: skip
 
 
