@@ -177,9 +177,10 @@ def with_options(*groups: Iterable[Option]) -> Callable[[_Class], _Class]:
     def apply(cls: _Class) -> _Class:
         taken = {option.name: option for group in groups for option in group if cls.__name__ in option.strategies}
         order = [_declared_name(parameter) for parameter in inspect.signature(cls.__init__).parameters.values()]
-        cls.OPTIONS = tuple(
-            sorted(taken.values(), key=lambda o: order.index(o.name) if o.name in order else len(order))
-        )
+        undeclared = sorted(set(taken) - set(order))
+        if undeclared:  # a declaration the signature lost: validate() would fail on every construction
+            raise TypeError(f"{cls.__name__}.__init__ takes no {undeclared}, which its options declare")
+        cls.OPTIONS = tuple(sorted(taken.values(), key=lambda o: order.index(o.name)))
         cls.__doc__ = _insert_args(cls.__doc__ or "", args_section(cls))
         return cls
 
@@ -191,7 +192,14 @@ def args_section(strategy: type) -> list[str]:
     lines = ["Args:"]
     for option in strategy.OPTIONS:
         text = f"{option.name}: {_scope(strategy, option)}{_rst(option.doc)}"
-        lines += textwrap.wrap(text, width=112, initial_indent="    ", subsequent_indent="        ")
+        lines += textwrap.wrap(
+            text,
+            width=112,
+            initial_indent="    ",
+            subsequent_indent="        ",
+            break_on_hyphens=False,
+            break_long_words=False,
+        )
     return lines
 
 
@@ -313,8 +321,8 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
         SyncBatchNormSetting,
         "auto",
         "`True` converts BatchNorm layers into `DistributedBatchNorm`, which synchronises their statistics across "
-        "processes over gloo as well as NCCL; `'auto'` does so when the model has BatchNorm layers and more than one "
-        "process trains (and logs it).",
+        "processes over gloo as well as NCCL; `'auto'` does so when the model has BatchNorm layers (under DDP, when "
+        "more than one process trains too, and logs it).",
         _ALL,
         choice((True, False, "auto")),
         defaults={DDP: False},

@@ -233,6 +233,7 @@ class OOMBackoff(RecordsEvents, Callback):
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         compat.check_lightning_internals(trainer, type(self).__name__)
+        self._stop_eval_routing()  # one an earlier trainer left, if its loop ended without our end hooks
         self._trainer = trainer
         self._refuse_sharding(trainer)
         if stage == "fit" and not pl_module.automatic_optimization:

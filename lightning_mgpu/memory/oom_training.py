@@ -459,6 +459,8 @@ class BackoffOptimization(compat.AutomaticOptimization):
             # save or the end of training. There every rank stops together, and no checkpoint is written.
             if not compat.should_accumulate(self.trainer):
                 self.optim_progress.optimizer.step.increment_completed()
-            self.batch_runner.pending = LocalFailure(FailureKind.OPTIMIZER_STEP_OOM, message)
+            earlier = self.batch_runner.pending  # a hook's failure after the backward keeps its own error
+            error = earlier.error if earlier is not None else None
+            self.batch_runner.pending = LocalFailure(FailureKind.OPTIMIZER_STEP_OOM, message, error)
         if self.batch_runner.pending is not None:
             release_memory()
