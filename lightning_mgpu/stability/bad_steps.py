@@ -13,6 +13,7 @@ from lightning_mgpu.stability._amp import loss_scale
 from lightning_mgpu.stability._grad_norms import gradient_norms
 from lightning_mgpu.stability.nan_skip_config import NaNSkipConfig
 from lightning_mgpu.stability.skip_tally import SkipTally
+from lightning_mgpu.stability.step_skipper import StepSkipper
 
 
 class NonFiniteStepsError(RuntimeError):
@@ -70,13 +71,17 @@ class BadStepTest:
         self.last_bad_loss = torch.zeros((), dtype=torch.bool, device=device)
         self.last_bad_spike = torch.zeros((), dtype=torch.bool, device=device)
 
-    def start_batch(self) -> bool:
-        """At a batch's start; ``True`` where it starts an optimizer step (not the next micro-batch of one)."""
+    def start_batch(self, skipper: StepSkipper) -> None:
+        """At a batch's start; an optimizer step starts where ``skipper`` has none under way (it ends each in ``skip``).
+
+        The step starts with its running statistics saved and its loss verdict clear, whatever a backward pass after
+        the last batch's last step left there (manual optimization: a GAN whose generator accumulates across
+        batches): that loss belongs to no step of this batch.
+        """
         self.pieces_loss, self.pieces_share = None, 0.0  # pieces never cross a batch: none left from the last
-        if self.loss_bad is not None:
-            return False
-        self.loss_bad = torch.zeros((), dtype=torch.bool, device=self.device)
-        return True
+        if skipper.saved_buffers is None:
+            skipper.save_buffers()
+            self.loss_bad = torch.zeros((), dtype=torch.bool, device=self.device)
 
     def end_step(self) -> None:
         """After an optimizer step: the next one starts afresh."""

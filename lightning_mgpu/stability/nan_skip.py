@@ -124,7 +124,8 @@ class NaNSkip(RecordsEvents, KeepsRankState, Callback):
     logger is set. It is not sent to the loggers.
 
     Read after ``fit``: ``skipped_steps``, ``spiked_steps``, ``optimizer_steps``, ``rollbacks``, ``events``; the
-    options, as given, in ``config`` (a :class:`~lightning_mgpu.stability.nan_skip_config.NaNSkipConfig`).
+    options, as given, as read-only attributes of the same names (``skip.max_consecutive``) and together in ``config``
+    (a :class:`~lightning_mgpu.stability.nan_skip_config.NaNSkipConfig`). Build a new callback to change one.
 
     Args:
         check: ``"loss"``, ``"grads"`` or ``"both"``.
@@ -190,6 +191,61 @@ class NaNSkip(RecordsEvents, KeepsRankState, Callback):
         self._fit: NaNSkipFit | None = None  # made at on_fit_start, dropped at the fit's end
 
     @property
+    def check(self) -> CheckTarget:
+        """What is tested: ``"loss"``, ``"grads"`` or ``"both"``."""
+        return self.config.check
+
+    @property
+    def max_consecutive(self) -> int | None:
+        """Skipped steps in a row that raise :class:`NonFiniteStepsError`; ``None``: no limit."""
+        return self.config.max_consecutive
+
+    @property
+    def log_skipped(self) -> bool:
+        """Whether ``skipped_steps`` is logged."""
+        return self.config.log_skipped
+
+    @property
+    def progress_bar(self) -> bool:
+        """Whether ``skipped`` is shown in the progress bar."""
+        return self.config.progress_bar
+
+    @property
+    def spike_zscore(self) -> float | None:
+        """Standard deviations above the window's mean that make a spike; ``None``: off."""
+        return self.config.spike_zscore
+
+    @property
+    def spike_window(self) -> int:
+        """How many accepted values the spike windows hold."""
+        return self.config.spike_window
+
+    @property
+    def spike_on(self) -> SpikeTarget:
+        """What is tested for spikes: ``"loss"``, ``"grad_norm"`` or ``"both"``."""
+        return self.config.spike_on
+
+    @property
+    def spike_action(self) -> SpikeAction:
+        """What a bad step does: ``"skip"`` or ``"rollback"``."""
+        return self.config.spike_action
+
+    @property
+    def snapshot_every(self) -> int:
+        """Optimizer steps between rollback snapshots."""
+        return self.config.snapshot_every
+
+    @property
+    def max_rollbacks(self) -> int | None:
+        """Rollbacks allowed over the whole run; ``None``: no limit."""
+        return self.config.max_rollbacks
+
+    @property
+    def skip_on_device(self) -> bool | Literal["auto"]:
+        """Whether non-fused optimizers skip bad steps on the device."""
+        return self.config.skip_on_device
+
+    @property
     def skipped_steps(self) -> int:
         """Optimizer steps skipped so far (reads the device)."""
         return int(self._tally.skipped)
@@ -226,22 +282,27 @@ class NaNSkip(RecordsEvents, KeepsRankState, Callback):
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._end_fit(trainer)  # a fit that never ended: another callback's on_exception raised before this one's
         self._fit = NaNSkipFit(type(self).__name__, self.config, self._tally, trainer, pl_module)
 
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int):
         fit = self._fit
+        if fit is None:  # no fit of its own under way: the callback joined a fit already running
+            return
         if fit.rollback is not None:
-            fit.rollback.start_batch(trainer.global_step)
-        if fit.test.start_batch():  # the first micro-batch of an optimizer step
-            fit.skipper.save_buffers()
+            fit.rollback.start_batch(trainer)
+        fit.test.start_batch(fit.skipper)
 
     @override
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
-        self._fit.test.watch_loss(trainer, pl_module, loss)
+        if self._fit is not None:
+            self._fit.test.watch_loss(trainer, pl_module, loss)
 
     @override
     def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._fit is None:
+            return
         clear_gradient_norms()  # new gradients: norms cached for an earlier backward (LBFGS, resumes) are stale
         clear_step_verdicts()
 
@@ -250,9 +311,10 @@ class NaNSkip(RecordsEvents, KeepsRankState, Callback):
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Optimizer
     ) -> None:
         fit, tally, config = self._fit, self._tally, self.config
+        if fit is None:
+            return
         test, skipper, reports = fit.test, fit.skipper, fit.reports
         step = trainer.global_step
-        skipper.clear_unfinished(optimizer)
         params = params_to_step(trainer, optimizer)
         bad = step_is_bad(optimizer, params, step)
         if bad is None:  # an optimizer built after fit started
@@ -262,16 +324,12 @@ class NaNSkip(RecordsEvents, KeepsRankState, Callback):
         if config.max_consecutive is not None:  # before anything is changed: a raise leaves the optimizer as it was
             lagged = fit.lagged.read(tally.consecutive) if way is not None and tally.consecutive.is_cuda else None
             test.raise_if_too_many(trainer, config.max_consecutive, lagged)
-        if way is not None:
-            skipper.skip_on_device(way, optimizer, params, bad)
-            if reports.unread_from is None:
-                reports.unread_from = step
-        elif bool(bad):  # one host read per optimizer step for optimizers that cannot skip on the device
-            skipper.skip_on_host(params)
+        if skipper.skip(way, optimizer, params, bad):  # known bad on the host
             reports.skipped(step, *test.cause())
+        elif way is not None and reports.unread_from is None:
+            reports.unread_from = step
         if fit.rollback is not None:
             fit.rollback.step_done(step, bad)
-        skipper.end_step()
         test.end_step()
         if compat.is_logging_step(trainer):
             self._log_counts(trainer, pl_module, fit)
@@ -298,6 +356,8 @@ class NaNSkip(RecordsEvents, KeepsRankState, Callback):
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         fit = self._fit
+        if fit is None:
+            return
         if fit.rollback is not None:
             fit.rollback.end_batch(trainer)
         if fit.reports.bar_due or fit.reports.report_due:
@@ -305,12 +365,16 @@ class NaNSkip(RecordsEvents, KeepsRankState, Callback):
 
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._fit is None:
+            return
         reports = self._fit.reports
         if reports.unread_from is not None:  # skips on the device since the last logging step
             reports.unread(trainer, self.skipped_steps)
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._fit is None:
+            return
         rank_zero_info(
             f"{type(self).__name__}: skipped {self.skipped_steps} of {self.optimizer_steps} optimizer steps "
             f"for NaN or Inf values{' or spikes' if self.config.spike_zscore is not None else ''}"
@@ -335,11 +399,12 @@ class NaNSkip(RecordsEvents, KeepsRankState, Callback):
 
         Without this, a rank whose dropped attempt's loss spiked would skip the step the other ranks take.
         """
-        return self._fit.test.save_attempt()
+        return self._fit.test.save_attempt() if self._fit is not None else None
 
     def restore_attempt(self, saved: Any) -> None:
         """Forget the dropped attempt's loss verdicts and losses."""
-        self._fit.test.restore_attempt(saved)
+        if self._fit is not None and saved is not None:
+            self._fit.test.restore_attempt(saved)
 
     @override
     def rank_state(self) -> dict[str, Any]:

@@ -17,20 +17,21 @@ SPIKE_ACTIONS: tuple[str, ...] = get_args(SpikeAction)
 class NaNSkipConfig:
     """The options of :class:`~lightning_mgpu.NaNSkip`, as given (its docstring says what each does).
 
-    Call :meth:`validate` once, where the options come in; the rest of the callback reads them from here.
+    Call :meth:`validate` once, where the options come in; the rest of the callback reads them from here. Every field
+    is required: the defaults are the callback's signature's alone.
     """
 
-    check: CheckTarget = "both"
-    max_consecutive: int | None = 25
-    log_skipped: bool = True
-    progress_bar: bool = True
-    spike_zscore: float | None = None
-    spike_window: int = 128
-    spike_on: SpikeTarget = "both"
-    spike_action: SpikeAction = "skip"
-    snapshot_every: int = 50
-    max_rollbacks: int | None = 5
-    skip_on_device: bool | Literal["auto"] = "auto"
+    check: CheckTarget
+    max_consecutive: int | None
+    log_skipped: bool
+    progress_bar: bool
+    spike_zscore: float | None
+    spike_window: int
+    spike_on: SpikeTarget
+    spike_action: SpikeAction
+    snapshot_every: int
+    max_rollbacks: int | None
+    skip_on_device: bool | Literal["auto"]
 
     def validate(self, owner: str) -> None:
         """Raise ``TypeError``/``ValueError`` naming ``owner``, the option and its value for the first bad option."""

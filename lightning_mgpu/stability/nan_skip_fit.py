@@ -1,5 +1,7 @@
 """What NaNSkip holds for one fit: made when the fit starts, dropped at its end."""
 
+from collections.abc import Sequence
+
 import lightning.pytorch as pl
 from torch.optim import Optimizer
 
@@ -18,8 +20,8 @@ class NaNSkipFit:
 
     Made at ``on_fit_start``, after ``configure_model`` (which may build layers after ``setup``) and once the
     optimizers exist; every optimizer's per-step verdict is then :attr:`test`'s (the one source of "this step is bad"
-    for the pack's callbacks). :meth:`close` at the fit's end, or its exception, leaves the optimizers as they were
-    and lets the rollback snapshot's host memory go.
+    for the pack's callbacks). :meth:`close` at the fit's end, or its exception, leaves the optimizers it hooked as
+    they were and lets the rollback snapshot's host memory go; a construction that raises closes what it built.
 
     Args:
         owner: the callback's class name, for messages.
@@ -29,6 +31,7 @@ class NaNSkipFit:
         pl_module: its module.
 
     Attributes:
+        optimizers: the optimizers of the fit, which it hooks.
         test: the verdict of each optimizer step, and the spike test.
         skipper: how each optimizer's bad steps are skipped.
         reports: the info lines and events.
@@ -48,6 +51,7 @@ class NaNSkipFit:
         tally.to(device)
         clear_gradient_norms()
         clear_step_verdicts()
+        self.optimizers = list(trainer.optimizers)  # the ones it hooks, unhooked at close whatever the trainer holds
         self.test = BadStepTest(
             config,
             tally,
@@ -55,18 +59,28 @@ class NaNSkipFit:
             device,
             distributed=trainer.world_size > 1,
             names={id(p): name for name, p in pl_module.named_parameters()},
-            optimizer_index={id(optimizer): i for i, optimizer in enumerate(trainer.optimizers)},
+            optimizer_index={id(optimizer): i for i, optimizer in enumerate(self.optimizers)},
         )
-        self.skipper = StepSkipper(owner, config.skip_on_device, trainer, pl_module)
-        self.reports = SkipReports(owner, tally)
-        self.rollback = SpikeRollback(owner, config, tally, trainer) if config.rollback else None
-        self.lagged = LaggedRead()
-        for optimizer in trainer.optimizers:
-            register_step_decider(optimizer, self.test.decide)
+        self.rollback: SpikeRollback | None = None
+        self.skipper = StepSkipper(owner, config.skip_on_device, trainer, pl_module)  # unhooks itself if it raises
+        try:
+            self.reports = SkipReports(owner, tally)
+            if config.rollback:
+                self.rollback = SpikeRollback(owner, config, tally, trainer)
+            self.lagged = LaggedRead()
+            for optimizer in self.optimizers:
+                register_step_decider(optimizer, self.test.decide)
+        except BaseException:
+            self.close()  # the hooks the skipper attached stay on the user's optimizers otherwise
+            raise
 
-    def close(self, optimizers: list[Optimizer]) -> None:
-        """Unregister the verdicts, take found_inf, fused routes and masks off ``optimizers``, drop the snapshot."""
+    def close(self, current: Sequence[Optimizer] = ()) -> None:
+        """Unregister the verdicts, take found_inf, fused routes and masks off the optimizers, drop the snapshot.
+
+        ``current``: the trainer's optimizers now, where one built after the fit started may hold a ``found_inf``.
+        """
         self.rollback = None
+        optimizers = self.optimizers + [optimizer for optimizer in current if optimizer not in self.optimizers]
         for optimizer in optimizers:
             unregister_step_decider(optimizer, self.test.decide)
         self.skipper.remove(optimizers)

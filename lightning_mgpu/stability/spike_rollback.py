@@ -47,10 +47,10 @@ class SpikeRollback:
             restore_extra=functools.partial(self._roll_state_back, trainer),
         )
 
-    def start_batch(self, step: int) -> None:
+    def start_batch(self, trainer: "pl.Trainer") -> None:
         """The first snapshot, once the strategy's ``on_train_start`` has put back what a checkpoint held per rank."""
         if self.snapshot.step is None:
-            self.snapshot.take(step)
+            self.snapshot.take(trainer.global_step)  # read only here: the property costs a few calls a batch
 
     def step_done(self, step: int, bad: Tensor) -> None:
         """After an optimizer step's verdict: a bad one rolls back at its batch's end (one host read)."""

@@ -56,16 +56,19 @@ class StepSkipper:
             if isinstance(module, compat.BatchNormBase)
             for buffer in module.buffers()
         ]
-        self.saved_buffers: list[Tensor] | None = None
+        self.saved_buffers: list[Tensor] | None = None  # None between optimizer steps
+        self.hooks: list[Any] = []
         wanted = skip_on_device is True or (skip_on_device == "auto" and pl_module.device.type != "cpu")
-        if not self.scaled:  # GradScaler skips inf/NaN steps itself
-            self._choose(trainer.optimizers, wanted, masked=skip_on_device is True)
-        # found_inf is an argument of one step only; GradScaler removes the one it sets itself
-        self.hooks = [
-            optimizer.register_step_post_hook(self.drop_found_inf)
-            for optimizer in trainer.optimizers
-            if not self.scaled and (id(optimizer) in self.routes or compat.supports_amp_scaling(optimizer))
-        ]
+        try:
+            if not self.scaled:  # GradScaler skips inf/NaN steps itself
+                self._choose(trainer.optimizers, wanted, masked=skip_on_device is True)
+            # found_inf is an argument of one step only; GradScaler removes the one it sets itself
+            for optimizer in trainer.optimizers:
+                if not self.scaled and (id(optimizer) in self.routes or compat.supports_amp_scaling(optimizer)):
+                    self.hooks.append(optimizer.register_step_post_hook(self.drop_found_inf))
+        except BaseException:
+            self.remove(trainer.optimizers)  # what it attached before the raise
+            raise
 
     def _choose(self, optimizers: list[Optimizer], wanted: bool, masked: bool) -> None:
         lines = []
@@ -94,23 +97,11 @@ class StepSkipper:
             rank_zero_info(f"{self.owner}: " + "; ".join(lines) + ".")
 
     def save_buffers(self) -> None:
-        """At an optimizer step's first micro-batch: copy the running statistics its forward passes may change."""
+        """At an optimizer step's first micro-batch: copy the running statistics its forward passes may change.
+
+        :attr:`saved_buffers` is ``None`` again once :meth:`skip` ended the step: no step is under way until this.
+        """
         self.saved_buffers = [buffer.detach().clone() for buffer in self.buffers] if self.buffers else []
-
-    def end_step(self) -> None:
-        """After an optimizer step: a later one in its batch (manual optimization) has no statistics to put back."""
-        self.saved_buffers = None
-
-    def clear_unfinished(self, optimizer: Optimizer) -> None:
-        """What an earlier step that raised (and was caught, as under manual optimization) left set for itself."""
-        if self.found_inf is not None:
-            self.drop_found_inf(optimizer)
-        if self.routes or self.masks:
-            route, mask = self.routes.get(id(optimizer)), self.masks.get(id(optimizer))
-            if route is not None:
-                route.release()
-            if mask is not None:
-                mask.disarm()
 
     def way(self, optimizer: Optimizer, params: list[Tensor], device: torch.device, step: int) -> SkipWay | None:
         """How this step is skipped with no host read: ``"fused"`` (found_inf), ``"masked"``, or ``None`` (read)."""
@@ -135,22 +126,39 @@ class StepSkipper:
             )
         return None
 
-    def skip_on_device(self, way: SkipWay, optimizer: Optimizer, params: list[Tensor], bad: Tensor) -> None:
-        """Have the step about to run skipped where ``bad`` is true, with no host read."""
-        if way == "fused":  # the fused kernels leave parameters and state as they were where this is 1
+    def skip(self, way: SkipWay | None, optimizer: Optimizer, params: list[Tensor], bad: Tensor) -> bool:
+        """Skip the step about to run where ``bad`` is true, and end it; ``True`` where it was skipped on the host.
+
+        First what an earlier step that raised (and was caught, as under manual optimization) left set for itself is
+        cleared. ``way`` is :meth:`way`'s: on the device, with no host read; ``None`` reads ``bad`` and sets a bad
+        step's gradients to ``None``, which torch's optimizers skip exactly. A later step in the batch (manual
+        optimization) has no running statistics to put back.
+        """
+        if self.found_inf is not None:
+            self.drop_found_inf(optimizer)
+        if self.routes or self.masks:
+            route, mask = self.routes.get(id(optimizer)), self.masks.get(id(optimizer))
+            if route is not None:
+                route.release()
+            if mask is not None:
+                mask.disarm()
+        saved, self.saved_buffers = self.saved_buffers, None
+        if way is None:
+            if not bool(bad):  # one host read per optimizer step for optimizers that cannot skip on the device
+                return False
+            for param in params:
+                param.grad = None
+        elif way == "fused":  # the fused kernels leave parameters and state as they were where this is 1
             route = self.routes.get(id(optimizer))
             if route is not None:  # a non-fused torch optimizer: through its fused kernel for this step
                 route.engage()
             self.found_inf = optimizer.found_inf = bad.float()
         else:  # the optimizer's step post-hook puts the backup back where this is true
             self._arm_mask(self.masks[id(optimizer)], params, bad)
-        self._restore_buffers(bad)
-
-    def skip_on_host(self, params: list[Tensor]) -> None:
-        """Skip a step known to be bad: torch's optimizers skip a parameter whose gradient is ``None``."""
-        for param in params:
-            param.grad = None
-        self._restore_buffers(None)
+        if saved:  # the running statistics the bad step's forward passes changed
+            for buffer, value in zip(self.buffers, saved, strict=True):
+                buffer.copy_(value if way is None else torch.where(bad, value, buffer))
+        return way is None
 
     def _arm_mask(self, mask: MaskedStep, params: list[Tensor], bad: Tensor) -> None:
         mask.arm(params, bad)
@@ -160,12 +168,6 @@ class StepSkipper:
                 f"{self.owner}: the masked step of {type(mask.optimizer).__name__} holds "
                 f"{mask.nbytes / 2**20:.2f} MB of device memory per process."
             )
-
-    def _restore_buffers(self, bad: Tensor | None) -> None:
-        if not self.saved_buffers:
-            return
-        for buffer, saved in zip(self.buffers, self.saved_buffers, strict=True):
-            buffer.copy_(saved if bad is None else torch.where(bad, saved, buffer))
 
     def drop_found_inf(self, optimizer: Optimizer, *_: Any) -> None:
         """Take the ``found_inf`` this skipper set off ``optimizer`` (its step post-hook)."""
