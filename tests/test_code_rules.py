@@ -27,7 +27,6 @@ DICT_SURGERY_LEFT = {
     "core/compat/loops.py:restore_sigterm_handling",
     "core/compat/loops.py:run_before_leaving_training",
     "core/compat/loops.py:run_before_leaving_training.undo",
-    "core/step_pieces.py:capture_logs",
     "memory/oom_backoff.py:OOMBackoff._install_eval_wrappers",
     "memory/oom_backoff.py:OOMBackoff._restore",
 }

@@ -2,6 +2,7 @@
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import lightning
@@ -13,7 +14,8 @@ from lightning.pytorch.loops.optimization.closure import AbstractClosure
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_mgpu.core.compat.versions import TESTED_LIGHTNING_RANGE, lightning_is_tested
+from lightning_mgpu.core.compat.patches import install_patch
+from lightning_mgpu.core.compat.versions import TESTED_LIGHTNING_RANGE, UnsupportedLightningError, lightning_is_tested
 
 
 def logger_step(trainer: "pl.Trainer") -> int:
@@ -69,6 +71,43 @@ def running_hook(module: "pl.LightningModule", hook_name: str) -> Iterator[None]
         yield
     finally:
         module._current_fx_name = previous
+
+
+# the ``self.log`` captures in force in this thread (or task), innermost last: (module, record) pairs in a tuple
+_LOG_CAPTURES: ContextVar[tuple[tuple[Any, Callable[..., None]], ...]] = ContextVar(
+    "lightning_mgpu_log_captures", default=()
+)
+
+
+def _capturing_log(log: Callable[..., None]) -> Callable[..., None]:
+    def log_or_capture(self: "pl.LightningModule", *args: Any, **kwargs: Any) -> None:
+        for module, record in reversed(_LOG_CAPTURES.get()):
+            if module is self:
+                return record(*args, **kwargs)
+        return log(self, *args, **kwargs)
+
+    return log_or_capture
+
+
+@contextmanager
+def capture_module_logs(module: "pl.LightningModule", record: Callable[..., None]) -> Iterator[None]:
+    """Inside the block, in this thread, ``module.log(*args, **kwargs)`` calls ``record(*args, **kwargs)`` instead.
+
+    ``self.log_dict`` calls ``self.log``, so it is captured too. The patch ``"log_capture"`` wraps
+    ``LightningModule.log`` once (2.5.2-2.6.6); outside a capture, and for any other module, Lightning's ``log`` runs
+    unchanged. A subclass's own ``log`` override runs first and is captured when it calls ``super().log``. The module
+    and its class are untouched; a capture ends with the block, an exception included.
+
+    Raises:
+        UnsupportedLightningError: where ``LightningModule.log`` is missing.
+    """
+    if not install_patch("log_capture", _capturing_log):
+        raise UnsupportedLightningError(f"Lightning {lightning.__version__} has no LightningModule.log to capture")
+    token = _LOG_CAPTURES.set((*_LOG_CAPTURES.get(), (module, record)))
+    try:
+        yield
+    finally:
+        _LOG_CAPTURES.reset(token)
 
 
 def call_batch_hook(module: "pl.LightningModule", hook_name: str, *args: Any) -> Any:
