@@ -23,10 +23,6 @@ MAX_FUNCTION_LINES = 60
 # OOMBackoff's evaluation steps
 DICT_SURGERY_LEFT = {
     "core/blocks.py:checkpoint_activations",  # activation checkpointing: the user's block's forward, on the instance
-    "core/compat/loops.py:replace_sigterm_handling",
-    "core/compat/loops.py:restore_sigterm_handling",
-    "core/compat/loops.py:run_before_leaving_training",
-    "core/compat/loops.py:run_before_leaving_training.undo",
     "memory/oom_backoff.py:OOMBackoff._install_eval_wrappers",
     "memory/oom_backoff.py:OOMBackoff._restore",
 }

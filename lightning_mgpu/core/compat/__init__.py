@@ -13,8 +13,8 @@ one warning and runs.
 
 Two limits, chosen for one simple rule: the check is all-or-nothing (a callback that needs none of a missing name is
 refused too), and the classes this module subclasses or re-exports (``_AutomaticOptimization``, ``_BatchNorm``,
-``_NormBase``, ``AbstractClosure``) are imported when the package is: a release that moves one fails at
-``import lightning_mgpu`` with an ``ImportError`` naming it, not at ``setup``.
+``_NormBase``, ``_SignalConnector``, ``AbstractClosure``) are imported when the package is: a release that moves one
+fails at ``import lightning_mgpu`` with an ``ImportError`` naming it, not at ``setup``.
 
 To support a new Lightning release: run the suite on it; where a name moved, change the accessor in this package (and
 its probe in :data:`LIGHTNING_INTERNALS`), not its callers.
@@ -23,6 +23,7 @@ its probe in :data:`LIGHTNING_INTERNALS`), not its callers.
 from lightning_mgpu.core.compat.loops import (
     AutomaticOptimization,
     OptimizerClosure,
+    SigtermSignalConnector,
     call_batch_hook,
     callback_state_key,
     capture_module_logs,
@@ -34,7 +35,6 @@ from lightning_mgpu.core.compat.loops import (
     rebuild_train_dataloader,
     replace_sigterm_handling,
     restore_sigterm_handling,
-    run_before_leaving_training,
     running_hook,
     should_accumulate,
     sigterm_internals_missing,
@@ -118,6 +118,7 @@ __all__ = [
     "Internal",
     "NormBase",
     "OptimizerClosure",
+    "SigtermSignalConnector",
     "UnsupportedLightningError",
     "broadcast_ddp_buffers",
     "call_batch_hook",
@@ -166,7 +167,6 @@ __all__ = [
     "replace_trainer_strategy",
     "reset_ddp_reduction",
     "restore_sigterm_handling",
-    "run_before_leaving_training",
     "running_hook",
     "set_ddp_kwargs",
     "set_launcher",

@@ -25,6 +25,14 @@ PATCHES: dict[str, tuple[str, str, str]] = {
         "_AcceleratorConnector",
         "_lazy_init_strategy",
     ),
+    # the per-batch SIGTERM broadcast, replaced where a trainer's signal connector is a SigtermSignals
+    "sigterm_batch_check": (
+        "lightning.pytorch.loops.training_epoch_loop",
+        "_TrainingEpochLoop",
+        "_broadcast_sigterm_tensor",
+    ),
+    # the fit loop's end, announced to a trainer's SigtermSignals before the on_train_end hooks
+    "leaving_training": ("lightning.pytorch.loops.fit_loop", "_FitLoop", "on_run_end"),
     # ``self.log`` calls held back inside capture_module_logs
     "log_capture": ("lightning.pytorch.core.module", "LightningModule", "log"),
 }
