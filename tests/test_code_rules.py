@@ -18,11 +18,8 @@ PACKAGE = Path(lightning_mgpu.__file__).parent
 MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 60
 
-# what is left of the methods shadowed in instance dicts: the SIGTERM agreement's per-step broadcast and its two
-# signal handlers, the fit loop's run end, a step run in pieces (it collects the module's self.log calls), and
-# OOMBackoff's evaluation steps
+# what is left of the methods shadowed in instance dicts: OOMBackoff's evaluation steps
 DICT_SURGERY_LEFT = {
-    "core/blocks.py:checkpoint_activations",  # activation checkpointing: the user's block's forward, on the instance
     "memory/oom_backoff.py:OOMBackoff._install_eval_wrappers",
     "memory/oom_backoff.py:OOMBackoff._restore",
 }
