@@ -181,7 +181,7 @@ def test_every_patch_of_lightning_is_named_in_one_place_installed_once_and_rever
     MultiGPUStrategy()
     compat.replace_sigterm_handling(trainer, _noop, _noop, _noop, _noop)
     compat.restore_sigterm_handling(trainer)
-    with compat.capture_module_logs(BoringModel(), _noop):
+    with compat.LogCapture(BoringModel(), _noop):
         pass
     assert compat.installed_patches() == list(compat.PATCHES)
     owners = {name: compat.patched_class(name) for name in compat.PATCHES}

@@ -30,6 +30,7 @@ import contextlib
 import inspect
 import numbers
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,12 +118,11 @@ def log_call(samples: int, *args: Any, **kwargs: Any) -> LogCall:
     return LogCall(arguments, samples)
 
 
-@contextlib.contextmanager
-def capture_logs(module: "pl.LightningModule", into: list[LogCall], samples: int) -> Iterator[None]:
+def capture_logs(module: "pl.LightningModule", into: list[LogCall], samples: int) -> AbstractContextManager[None]:
     """Record the module's ``self.log`` (and so ``self.log_dict``) calls into ``into`` instead of logging them.
 
-    In this thread, for this module only, until the block ends (an exception included): see
-    :func:`~lightning_mgpu.core.compat.capture_module_logs`. The module and its class are untouched.
+    A context manager: in this thread, for this module only, until the block ends (an exception included); see
+    :class:`~lightning_mgpu.core.compat.LogCapture`. The module and its class are untouched.
 
     Args:
         module: the module, or a replica of it, whose calls are held back.
@@ -133,8 +133,7 @@ def capture_logs(module: "pl.LightningModule", into: list[LogCall], samples: int
     def record(*args: Any, **kwargs: Any) -> None:
         into.append(log_call(samples, *args, **kwargs))
 
-    with compat.capture_module_logs(module, record):
-        yield
+    return compat.LogCapture(module, record)
 
 
 def combine_log_calls(calls: Sequence[LogCall], device: torch.device | None = None) -> list[dict[str, Any]]:

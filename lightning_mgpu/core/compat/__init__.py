@@ -22,11 +22,11 @@ its probe in :data:`LIGHTNING_INTERNALS`), not its callers.
 
 from lightning_mgpu.core.compat.loops import (
     AutomaticOptimization,
+    LogCapture,
     OptimizerClosure,
     SigtermSignalConnector,
     call_batch_hook,
     callback_state_key,
-    capture_module_logs,
     default_store,
     is_logging_step,
     logger_step,
@@ -117,6 +117,7 @@ __all__ = [
     "BatchNormLayer",
     "DDPStrategyBase",
     "Internal",
+    "LogCapture",
     "NormBase",
     "OptimizerClosure",
     "SigtermSignalConnector",
@@ -124,7 +125,6 @@ __all__ = [
     "broadcast_ddp_buffers",
     "call_batch_hook",
     "callback_state_key",
-    "capture_module_logs",
     "check_launch_hook",
     "check_lightning_internals",
     "checkpoint_module_activations",

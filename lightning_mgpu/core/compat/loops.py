@@ -90,25 +90,34 @@ def _capturing_log(log: Callable[..., None]) -> Callable[..., None]:
     return log_or_capture
 
 
-@contextmanager
-def capture_module_logs(module: "pl.LightningModule", record: Callable[..., None]) -> Iterator[None]:
-    """Inside the block, in this thread, ``module.log(*args, **kwargs)`` calls ``record(*args, **kwargs)`` instead.
+class LogCapture:
+    """Inside the ``with`` block, in this thread, ``module.log(*args, **kwargs)`` calls ``record(*args, **kwargs)``.
 
     ``self.log_dict`` calls ``self.log``, so it is captured too. The patch ``"log_capture"`` wraps
     ``LightningModule.log`` once (2.5.2-2.6.6); outside a capture, and for any other module, Lightning's ``log`` runs
     unchanged. A subclass's own ``log`` override runs first and is captured when it calls ``super().log``. The module
-    and its class are untouched; a capture ends with the block, an exception included.
+    and its class are untouched; a capture ends with the block, an exception included. A class rather than a
+    generator: OOMBackoff enters one for every micro-batch.
 
     Raises:
-        UnsupportedLightningError: where ``LightningModule.log`` is missing.
+        UnsupportedLightningError: on entering, where ``LightningModule.log`` is missing.
     """
-    if not install_patch("log_capture", _capturing_log):
-        raise UnsupportedLightningError(f"Lightning {lightning.__version__} has no LightningModule.log to capture")
-    token = _LOG_CAPTURES.set((*_LOG_CAPTURES.get(), (module, record)))
-    try:
-        yield
-    finally:
-        _LOG_CAPTURES.reset(token)
+
+    __slots__ = ("_entry", "_token")
+
+    def __init__(self, module: "pl.LightningModule", record: Callable[..., None]) -> None:
+        self._entry = (module, record)
+
+    def __enter__(self) -> None:
+        # ours, or another wrapper around it that copied its marker: installed; otherwise install (once)
+        if getattr(pl.LightningModule.log, "lightning_mgpu_patch", None) is None and not install_patch(
+            "log_capture", _capturing_log
+        ):
+            raise UnsupportedLightningError(f"Lightning {lightning.__version__} has no LightningModule.log to capture")
+        self._token = _LOG_CAPTURES.set((*_LOG_CAPTURES.get(), self._entry))
+
+    def __exit__(self, *exc_info: object) -> None:
+        _LOG_CAPTURES.reset(self._token)
 
 
 def call_batch_hook(module: "pl.LightningModule", hook_name: str, *args: Any) -> Any:

@@ -33,7 +33,7 @@ PATCHES: dict[str, tuple[str, str, str]] = {
     ),
     # the fit loop's end, announced to a trainer's SigtermSignals before the on_train_end hooks
     "leaving_training": ("lightning.pytorch.loops.fit_loop", "_FitLoop", "on_run_end"),
-    # ``self.log`` calls held back inside capture_module_logs
+    # ``self.log`` calls held back inside LogCapture
     "log_capture": ("lightning.pytorch.core.module", "LightningModule", "log"),
 }
 
