@@ -18,16 +18,7 @@ PACKAGE = Path(lightning_mgpu.__file__).parent
 MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 60
 
-# what is left of the methods shadowed in instance dicts: the SIGTERM agreement's per-step broadcast and its two
-# signal handlers, the fit loop's run end, and a step run in pieces (it collects the module's self.log calls)
-DICT_SURGERY_LEFT = {
-    "core/blocks.py:checkpoint_activations",  # activation checkpointing: the user's block's forward, on the instance
-    "core/compat/loops.py:replace_sigterm_handling",
-    "core/compat/loops.py:restore_sigterm_handling",
-    "core/compat/loops.py:run_before_leaving_training",
-    "core/compat/loops.py:run_before_leaving_training.undo",
-    "core/step_pieces.py:capture_logs",
-}
+DICT_SURGERY_LEFT: set[str] = set()
 # reads, not surgery: whether Lightning's DDPStrategy defines a private method itself (the compat door's probes)
 DICT_READS = {"core/compat/strategies.py:check_launch_hook", "core/compat/versions.py:<module>"}
 FILES_OVER_LIMIT_LEFT: set[str] = set()

@@ -94,27 +94,48 @@ def test_multi_gpu_strategy_refuses_a_lightning_that_would_not_ask_it_to_choose(
         MultiGPUStrategy()
 
 
-def test_leaving_training_runs_the_callback_once_and_the_undo_restores_what_was_there():
+class _TrainEnd(pl.Callback):
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def on_train_end(self, trainer, pl_module):
+        self.calls.append("on_train_end")
+
+
+def _noop(*args) -> None:
+    pass
+
+
+def test_leaving_training_runs_the_callback_once_before_on_train_end_and_restoring_stops_it():
     torch.manual_seed(0)
     calls = []
-    trainer = _trainer(max_steps=3)
+    trainer = _trainer(max_steps=3, max_epochs=3, callbacks=[_TrainEnd(calls)])
+    compat.replace_sigterm_handling(trainer, _noop, _noop, _noop, lambda: calls.append("leaving"))
+    trainer.fit(_Regression())
+    assert calls == ["leaving", "on_train_end"]
+    compat.restore_sigterm_handling(trainer)
+    trainer.fit_loop.epoch_loop.max_steps = 5
+    trainer.fit(_Regression())  # goes on to step 5 and leaves training again
+    assert trainer.global_step == 5
+    assert calls == ["leaving", "on_train_end", "on_train_end"]
+    other = _trainer(max_steps=2, callbacks=[_TrainEnd(calls)])
+    other.fit(_Regression())  # the patch acts on a trainer that has the pack's signal connector only
+    assert calls[-2:] == ["on_train_end", "on_train_end"] and calls.count("leaving") == 1
 
-    def earlier() -> None:  # a wrapper someone installed before
-        calls.append("earlier")
 
-    trainer.fit_loop.on_run_end = earlier
-    undo = compat.run_before_leaving_training(trainer, lambda: calls.append("ours"))
-    trainer.fit_loop.on_run_end()
-    assert calls == ["ours", "earlier"]
-    undo()
-    assert trainer.fit_loop.on_run_end is earlier  # restored, not popped
-
-    fresh = _trainer(max_steps=3)
-    undo = compat.run_before_leaving_training(fresh, lambda: calls.append("fit"))
-    fresh.fit(_Regression())
-    assert calls.count("fit") == 1
-    undo()
-    assert "on_run_end" not in vars(fresh.fit_loop)
+def test_a_restored_trainer_gets_lightnings_signal_connector_back_with_what_the_fit_recorded():
+    trainer = _trainer(max_steps=1)
+    lightnings = trainer._signal_connector
+    compat.replace_sigterm_handling(trainer, _noop, _noop, _noop, _noop)
+    compat.replace_sigterm_handling(trainer, _noop, _noop, _noop, _noop)  # a second install replaces the first
+    assert trainer._signal_connector.replaced is lightnings
+    trainer._signal_connector._original_handlers = {15: _noop}  # as registering the handlers records them
+    compat.mark_sigterm_received(trainer)
+    compat.restore_sigterm_handling(trainer)
+    assert trainer._signal_connector is lightnings
+    assert trainer.received_sigterm and lightnings._original_handlers == {15: _noop}
+    compat.restore_sigterm_handling(trainer)  # nothing left to restore
+    assert trainer._signal_connector is lightnings
 
 
 class _Probe(pl.Callback):
@@ -153,21 +174,30 @@ def test_the_strategy_probes_see_lightnings_ddp_internals_and_report_a_missing_o
     assert [i.name for i in strategy_probes if not i.present(trainer)] == ["DDPStrategy._ddp_kwargs"]
 
 
-def test_an_undone_wrapper_left_inside_a_newer_one_no_longer_calls_back():
-    calls = []
-    trainer = _trainer(max_steps=3)
-    trainer.fit_loop.on_run_end = lambda: calls.append("lightning")
-    undo = compat.run_before_leaving_training(trainer, lambda: calls.append("ours"))
-    ours = trainer.fit_loop.on_run_end
+def test_every_patch_of_lightning_is_named_in_one_place_installed_once_and_reversible():
+    from lightning.pytorch.demos.boring_classes import BoringModel
 
-    def newer() -> None:  # something wrapped it after us
-        calls.append("newer")
-        ours()
-
-    trainer.fit_loop.on_run_end = newer
-    undo()
-    trainer.fit_loop.on_run_end()
-    assert calls == ["newer", "lightning"]
+    trainer = _trainer(max_steps=1)
+    MultiGPUStrategy()
+    compat.replace_sigterm_handling(trainer, _noop, _noop, _noop, _noop)
+    compat.restore_sigterm_handling(trainer)
+    with compat.LogCapture(BoringModel(), _noop):
+        pass
+    assert compat.installed_patches() == list(compat.PATCHES)
+    owners = {name: compat.patched_class(name) for name in compat.PATCHES}
+    patched = {name: getattr(owners[name], method) for name, (_, _, method) in compat.PATCHES.items()}
+    try:
+        for name, (_, _, method) in compat.PATCHES.items():
+            assert compat.remove_patch(name)
+            assert getattr(owners[name], method) is patched[name].__wrapped__  # Lightning's own
+            assert not compat.remove_patch(name)
+        assert compat.installed_patches() == []
+    finally:
+        for name, (_, _, method) in compat.PATCHES.items():
+            setattr(owners[name], method, patched[name])
+    compat.replace_sigterm_handling(trainer, _noop, _noop, _noop, _noop)  # installs nothing a second time
+    compat.restore_sigterm_handling(trainer)
+    assert all(getattr(owners[name], m) is patched[name] for name, (_, _, m) in compat.PATCHES.items())
 
 
 def test_each_lightning_patch_is_named_in_place_and_reversible():

@@ -30,6 +30,7 @@ import contextlib
 import inspect
 import numbers
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,12 +118,11 @@ def log_call(samples: int, *args: Any, **kwargs: Any) -> LogCall:
     return LogCall(arguments, samples)
 
 
-@contextlib.contextmanager
-def capture_logs(module: "pl.LightningModule", into: list[LogCall], samples: int) -> Iterator[None]:
+def capture_logs(module: "pl.LightningModule", into: list[LogCall], samples: int) -> AbstractContextManager[None]:
     """Record the module's ``self.log`` (and so ``self.log_dict``) calls into ``into`` instead of logging them.
 
-    An instance attribute shadows ``LightningModule.log`` for the duration: the module's class is untouched, and
-    ``log`` is the class method again afterwards, an exception included.
+    A context manager: in this thread, for this module only, until the block ends (an exception included); see
+    :class:`~lightning_mgpu.core.compat.LogCapture`. The module and its class are untouched.
 
     Args:
         module: the module, or a replica of it, whose calls are held back.
@@ -130,14 +130,10 @@ def capture_logs(module: "pl.LightningModule", into: list[LogCall], samples: int
         samples: the samples of the piece that runs inside the block.
     """
 
-    def log(*args: Any, **kwargs: Any) -> None:
+    def record(*args: Any, **kwargs: Any) -> None:
         into.append(log_call(samples, *args, **kwargs))
 
-    module.__dict__["log"] = log
-    try:
-        yield
-    finally:
-        module.__dict__.pop("log", None)
+    return compat.LogCapture(module, record)
 
 
 def combine_log_calls(calls: Sequence[LogCall], device: torch.device | None = None) -> list[dict[str, Any]]:
@@ -178,9 +174,11 @@ def replay_logs(
     combined = combine_log_calls(calls, device)
     if not combined:
         return
+    # Lightning's own log for a LightningModule: a subclass's override of it ran already, when the calls were captured
+    log = pl.LightningModule.log if isinstance(module, pl.LightningModule) else type(module).log
     with compat.running_hook(module, hook_name):
         for arguments in combined:
-            module.log(**arguments)
+            log(module, **arguments)
 
 
 def merge_outputs(outputs: Sequence[Any], samples: Sequence[int], device: torch.device | int | None = None) -> Any:

@@ -143,7 +143,6 @@ class SigtermAgreement:
         self._published_reasons: set[str] = set()
         self.stop_batch: int | None = None
         self._trainer: pl.Trainer | None = None
-        self._undo_run_end: Callable[[], None] | None = None
 
     @classmethod
     def for_trainer(
@@ -169,21 +168,19 @@ class SigtermAgreement:
         )
 
     def install(self, trainer: "pl.Trainer") -> None:
-        """Take over the per-batch check and the SIGTERM notifier of this trainer instance only."""
+        """Take over the per-batch check and the signal handlers of this trainer instance only."""
         self._trainer = trainer
-        compat.replace_sigterm_handling(trainer, self.at_batch_boundary, self.on_sigterm, self.on_requeue_signal)
         # whatever ends the loop (the data, max_steps, a Timer, EarlyStopping, should_stop): this rank's last batch
         # is behind it, so the meeting waits for it while callbacks' on_train_end hooks run
-        self._undo_run_end = compat.run_before_leaving_training(trainer, self.publish_possibly_last_batch)
+        compat.replace_sigterm_handling(
+            trainer, self.at_batch_boundary, self.on_sigterm, self.on_requeue_signal, self.publish_possibly_last_batch
+        )
 
     def uninstall(self) -> None:
         """Give the trainer its stock behaviour back."""
         trainer = self._trainer
         if trainer is not None:
             compat.restore_sigterm_handling(trainer)
-        if self._undo_run_end is not None:
-            self._undo_run_end()
-            self._undo_run_end = None
         self._trainer = None
 
     def on_sigterm(self, signum: int, frame: FrameType | None) -> None:
@@ -416,10 +413,13 @@ def _may_end_the_fit(trainer: "pl.Trainer") -> bool:
     loop, so a rank slow in its ``on_train_end`` hooks is waited for; only one slow in a validation run inside such
     a last batch is not, and meets the others under the short :data:`END_OF_FIT_TIMEOUT`.
     """
-    progress = trainer.fit_loop.epoch_loop.batch_progress
-    if progress.is_last_batch or progress.current.ready >= trainer.num_training_batches:
+    # the loops' own figures, which the Trainer's num_training_batches, max_steps and global_step return: no property
+    # calls in a check made every batch
+    epoch_loop = trainer.fit_loop.epoch_loop
+    progress = epoch_loop.batch_progress
+    if progress.is_last_batch or progress.current.ready >= trainer.fit_loop.max_batches:
         return True
-    return 0 <= trainer.max_steps <= trainer.global_step + 1
+    return 0 <= epoch_loop.max_steps <= epoch_loop.global_step + 1
 
 
 def _unsupported_reason(trainer: "pl.Trainer") -> str | None:

@@ -1,6 +1,7 @@
 """step_pieces: the logs and outputs of a step run in pieces, one set of rules for OOMBackoff and DataParallel."""
 
 import dataclasses
+import threading
 from collections import namedtuple
 from typing import Any, NamedTuple
 
@@ -136,12 +137,53 @@ def test_capture_records_instead_of_logging_and_unshadows_after_an_error():
     model = BoringModel()
     calls: list[LogCall] = []
     with pytest.raises(RuntimeError, match="out of memory"), capture_logs(model, calls, samples=5):
-        assert "log" in model.__dict__
+        assert "log" not in model.__dict__ and type(model) is BoringModel  # the module itself is untouched
         model.log("loss", 2.0, prog_bar=True)  # no trainer attached: the real log would have warned and dropped it
         raise RuntimeError("out of memory")
     assert "log" not in model.__dict__
     assert model.log.__func__ is LightningModule.log
     assert calls == [LogCall({"name": "loss", "value": 2.0, "prog_bar": True}, samples=5)]
+
+
+def test_a_capture_holds_back_one_modules_calls_in_one_thread_and_nests():
+    model, other = BoringModel(), BoringModel()
+    outer: list[LogCall] = []
+    inner: list[LogCall] = []
+
+    def log_in_another_thread() -> None:
+        model.log("thread", 1.0)  # Lightning's own log: no trainer attached, so it warns and drops it
+
+    with capture_logs(model, outer, samples=2):
+        with capture_logs(other, inner, samples=1):
+            model.log("a", 1.0)
+            other.log("b", 2.0)
+        thread = threading.Thread(target=log_in_another_thread)
+        with pytest.warns(UserWarning, match="trainer` reference is not registered"):
+            thread.start()
+            thread.join()
+        model.log("c", 3.0)
+    assert [call.name for call in outer] == ["a", "c"] and [call.name for call in inner] == ["b"]
+
+
+def test_the_log_capture_is_a_named_reversible_patch_of_lightning():
+    from lightning_mgpu.core import compat
+
+    model = BoringModel()
+    with capture_logs(model, [], samples=1):
+        pass
+    assert "log_capture" in compat.installed_patches()
+    ours = LightningModule.log
+    try:
+        assert compat.remove_patch("log_capture")
+        assert LightningModule.log is ours.__wrapped__  # Lightning's own
+        assert "log_capture" not in compat.installed_patches()
+        calls: list[LogCall] = []
+        with capture_logs(model, calls, samples=1):  # puts it back, once
+            model.log("x", 1.0)
+        assert LightningModule.log.__wrapped__ is ours.__wrapped__
+        assert [call.name for call in calls] == ["x"]
+    finally:
+        LightningModule.log = ours
 
 
 # ------------------------------------------------------------------------------------ combining log calls

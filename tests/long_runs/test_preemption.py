@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 from lightning.pytorch import Trainer
-from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_mgpu.long_runs import preemption
@@ -152,20 +152,25 @@ class TestAgreementLogic:
 
     def test_install_and_uninstall_touch_one_trainer_only(self):
         trainer, other = Trainer(logger=False), Trainer(logger=False)
+        lightnings = trainer._signal_connector
         agreement = SigtermAgreement(dist.HashStore(), margin=2)
         agreement.install(trainer)
-        assert trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor == agreement.at_batch_boundary
-        assert trainer._signal_connector._sigterm_notifier_fn == agreement.on_sigterm
-        assert trainer._signal_connector._slurm_sigusr_handler_fn == agreement.on_requeue_signal
-        assert other.fit_loop.epoch_loop._broadcast_sigterm_tensor.__func__ is (
-            _TrainingEpochLoop._broadcast_sigterm_tensor
-        )
+        signals = trainer._signal_connector
+        assert signals is not lightnings and signals.replaced is lightnings
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()  # the agreement's batch check, no broadcast
+        assert agreement.batch == 1
+        signals._sigterm_notifier_fn(signal.SIGTERM, None)
+        signals._slurm_sigusr_handler_fn(signal.SIGUSR1, None)
+        assert agreement.signalled and agreement.requeue_requested
+        assert type(other._signal_connector) is _SignalConnector
+        other.fit_loop.epoch_loop._broadcast_sigterm_tensor()  # Lightning's (no process group: it finds no SIGTERM)
+        assert agreement.batch == 1
         agreement.uninstall()
-        assert trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor.__func__ is (
-            _TrainingEpochLoop._broadcast_sigterm_tensor
-        )
-        assert "_sigterm_notifier_fn" not in trainer._signal_connector.__dict__
-        assert "_slurm_sigusr_handler_fn" not in trainer._signal_connector.__dict__
+        assert trainer._signal_connector is lightnings and type(lightnings) is _SignalConnector
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
+        assert agreement.batch == 1
+        assert vars(trainer.fit_loop.epoch_loop).keys().isdisjoint({"_broadcast_sigterm_tensor"})
+        assert vars(lightnings).keys().isdisjoint({"_sigterm_notifier_fn", "_slurm_sigusr_handler_fn"})
 
     def test_not_installed_without_a_process_group(self):
         assert SigtermAgreement.for_trainer(Trainer(logger=False)) is None

@@ -13,8 +13,8 @@ one warning and runs.
 
 Two limits, chosen for one simple rule: the check is all-or-nothing (a callback that needs none of a missing name is
 refused too), and the classes this module subclasses or re-exports (``_AutomaticOptimization``, ``_BatchNorm``,
-``_NormBase``, ``AbstractClosure``) are imported when the package is: a release that moves one fails at
-``import lightning_mgpu`` with an ``ImportError`` naming it, not at ``setup``.
+``_NormBase``, ``_SignalConnector``, ``AbstractClosure``) are imported when the package is: a release that moves one
+fails at ``import lightning_mgpu`` with an ``ImportError`` naming it, not at ``setup``.
 
 To support a new Lightning release: run the suite on it; where a name moved, change the accessor in this package (and
 its probe in :data:`LIGHTNING_INTERNALS`), not its callers.
@@ -22,7 +22,9 @@ its probe in :data:`LIGHTNING_INTERNALS`), not its callers.
 
 from lightning_mgpu.core.compat.loops import (
     AutomaticOptimization,
+    LogCapture,
     OptimizerClosure,
+    SigtermSignalConnector,
     call_batch_hook,
     callback_state_key,
     default_store,
@@ -33,13 +35,13 @@ from lightning_mgpu.core.compat.loops import (
     rebuild_train_dataloader,
     replace_sigterm_handling,
     restore_sigterm_handling,
-    run_before_leaving_training,
     running_hook,
     should_accumulate,
     sigterm_internals_missing,
     slurm_checkpoint_path,
     training_logging_check,
 )
+from lightning_mgpu.core.compat.patches import PATCHES, installed_patches, patched_class, remove_patch
 from lightning_mgpu.core.compat.step_dispatch import (
     EVAL_STEPS,
     STEP_DISPATCH_PATCH,
@@ -85,6 +87,7 @@ from lightning_mgpu.core.compat.torch_names import (
     BatchNormBase,
     BatchNormLayer,
     NormBase,
+    checkpoint_module_activations,
     foreach_add_,
     foreach_copy_,
     foreach_lerp_,
@@ -113,6 +116,7 @@ __all__ = [
     "CONNECTOR_PATCHES",
     "EVAL_STEPS",
     "LIGHTNING_INTERNALS",
+    "PATCHES",
     "STEP_DISPATCH_PATCH",
     "TESTED_LIGHTNING_RANGE",
     "TESTED_TORCH",
@@ -122,14 +126,17 @@ __all__ = [
     "BatchNormLayer",
     "DDPStrategyBase",
     "Internal",
+    "LogCapture",
     "NormBase",
     "OptimizerClosure",
+    "SigtermSignalConnector",
     "UnsupportedLightningError",
     "broadcast_ddp_buffers",
     "call_batch_hook",
     "callback_state_key",
     "check_launch_hook",
     "check_lightning_internals",
+    "checkpoint_module_activations",
     "configure_launcher",
     "ddp_buckets_rebuilt",
     "ddp_delayed_params",
@@ -149,6 +156,7 @@ __all__ = [
     "install_strategy_flag_hint",
     "install_strategy_replacement",
     "installed_connector_patches",
+    "installed_patches",
     "is_logging_step",
     "layer_sync",
     "lightning_comm_state",
@@ -159,18 +167,19 @@ __all__ = [
     "metric_progress",
     "missing_lightning_internals",
     "optimizers_to_device",
+    "patched_class",
     "point_device_at",
     "process_group_timeout",
     "rebuild_train_dataloader",
     "register_ddp_hooks",
     "release_mesh_process_groups",
     "remove_connector_patch",
+    "remove_patch",
     "replace_sigterm_handling",
     "replace_trainer_strategy",
     "reset_ddp_reduction",
     "restore_sigterm_handling",
     "route_eval_steps",
-    "run_before_leaving_training",
     "running_hook",
     "set_ddp_kwargs",
     "set_launcher",

@@ -2,6 +2,7 @@
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import lightning
@@ -10,10 +11,12 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.loops.optimization.automatic import ClosureResult, _AutomaticOptimization
 from lightning.pytorch.loops.optimization.closure import AbstractClosure
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_mgpu.core.compat.versions import TESTED_LIGHTNING_RANGE, lightning_is_tested
+from lightning_mgpu.core.compat.patches import install_patch, patched_class
+from lightning_mgpu.core.compat.versions import TESTED_LIGHTNING_RANGE, UnsupportedLightningError, lightning_is_tested
 
 
 def logger_step(trainer: "pl.Trainer") -> int:
@@ -69,6 +72,52 @@ def running_hook(module: "pl.LightningModule", hook_name: str) -> Iterator[None]
         yield
     finally:
         module._current_fx_name = previous
+
+
+# the ``self.log`` captures in force in this thread (or task), innermost last: (module, record) pairs in a tuple
+_LOG_CAPTURES: ContextVar[tuple[tuple[Any, Callable[..., None]], ...]] = ContextVar(
+    "lightning_mgpu_log_captures", default=()
+)
+
+
+def _capturing_log(log: Callable[..., None]) -> Callable[..., None]:
+    def log_or_capture(self: "pl.LightningModule", *args: Any, **kwargs: Any) -> None:
+        for module, record in reversed(_LOG_CAPTURES.get()):
+            if module is self:
+                return record(*args, **kwargs)
+        return log(self, *args, **kwargs)
+
+    return log_or_capture
+
+
+class LogCapture:
+    """Inside the ``with`` block, in this thread, ``module.log(*args, **kwargs)`` calls ``record(*args, **kwargs)``.
+
+    ``self.log_dict`` calls ``self.log``, so it is captured too. The patch ``"log_capture"`` wraps
+    ``LightningModule.log`` once (2.5.2-2.6.6); outside a capture, and for any other module, Lightning's ``log`` runs
+    unchanged. A subclass's own ``log`` override runs first and is captured when it calls ``super().log``. The module
+    and its class are untouched; a capture ends with the block, an exception included. A class rather than a
+    generator: OOMBackoff enters one for every micro-batch.
+
+    Raises:
+        UnsupportedLightningError: on entering, where ``LightningModule.log`` is missing.
+    """
+
+    __slots__ = ("_entry", "_token")
+
+    def __init__(self, module: "pl.LightningModule", record: Callable[..., None]) -> None:
+        self._entry = (module, record)
+
+    def __enter__(self) -> None:
+        # ours, or another wrapper around it that copied its marker: installed; otherwise install (once)
+        if getattr(pl.LightningModule.log, "lightning_mgpu_patch", None) is None and not install_patch(
+            "log_capture", _capturing_log
+        ):
+            raise UnsupportedLightningError(f"Lightning {lightning.__version__} has no LightningModule.log to capture")
+        self._token = _LOG_CAPTURES.set((*_LOG_CAPTURES.get(), self._entry))
+
+    def __exit__(self, *exc_info: object) -> None:
+        _LOG_CAPTURES.reset(self._token)
 
 
 def call_batch_hook(module: "pl.LightningModule", hook_name: str, *args: Any) -> Any:
@@ -170,8 +219,15 @@ def sigterm_internals_missing(trainer: "pl.Trainer") -> str | None:
         return "this Lightning's training loop keeps its batch progress differently"
     if not callable(getattr(type(trainer.fit_loop), "on_run_end", None)):
         return "this Lightning's fit loop has no on_run_end"
+    loops = {"sigterm_batch_check": epoch_loop, "leaving_training": trainer.fit_loop}
+    if not all(isinstance(loop, patched_class(name) or ()) for name, loop in loops.items()):
+        return "this Lightning's loop classes are not where the patches expect them"
     connector = getattr(trainer, "_signal_connector", None)
-    if not (hasattr(connector, "_sigterm_notifier_fn") and hasattr(connector, "_slurm_sigusr_handler_fn")):
+    if not (
+        isinstance(connector, _SignalConnector)
+        and all(hasattr(connector, name) for name in ("_sigterm_notifier_fn", "_slurm_sigusr_handler_fn"))
+        and isinstance(getattr(connector, "_original_handlers", None), dict)
+    ):
         return "this Lightning's signal connector differs"
     if not callable(getattr(getattr(trainer, "_checkpoint_connector", None), "hpc_save_path", None)):
         return "this Lightning's checkpoint connector names its SLURM checkpoints differently"
@@ -180,19 +236,59 @@ def sigterm_internals_missing(trainer: "pl.Trainer") -> str | None:
     return None
 
 
-# instance attributes that shadow a method of a Lightning object: (object path, attribute)
-_SHADOWED = (
-    ("fit_loop.epoch_loop", "_broadcast_sigterm_tensor"),
-    ("_signal_connector", "_sigterm_notifier_fn"),
-    ("_signal_connector", "_slurm_sigusr_handler_fn"),
-)
+class SigtermSignalConnector(_SignalConnector):
+    """Lightning's signal connector for one fit, with SIGTERM and SLURM's requeue signal handled by the pack.
+
+    :func:`replace_sigterm_handling` makes it the trainer's ``_signal_connector`` (2.5.2-2.6.6) for the fit, and
+    :func:`restore_sigterm_handling` hands Lightning's back. Lightning registers the signal handlers from its
+    ``_sigterm_notifier_fn`` and ``_slurm_sigusr_handler_fn``, overridden here, and restores the previous handlers at
+    the end of the fit, as for its own. Two patches of Lightning's loops ask the trainer's connector, and act only
+    where it is one of these: ``"sigterm_batch_check"`` runs :attr:`at_batch_boundary` in place of the per-batch
+    broadcast, and ``"leaving_training"`` runs :attr:`before_leaving_training` before the ``on_train_end`` hooks.
+    """
+
+    def __init__(
+        self,
+        trainer: "pl.Trainer",
+        at_batch_boundary: Callable[[], None],
+        on_sigterm: Callable[..., None],
+        on_requeue_signal: Callable[..., None],
+        before_leaving_training: Callable[[], None],
+    ) -> None:
+        super().__init__(trainer)
+        self.replaced = trainer._signal_connector
+        self.received_sigterm = self.replaced.received_sigterm
+        self._original_handlers = self.replaced._original_handlers
+        self.at_batch_boundary = at_batch_boundary
+        self.on_sigterm = on_sigterm
+        self.on_requeue_signal = on_requeue_signal
+        self.before_leaving_training = before_leaving_training
+
+    def _sigterm_notifier_fn(self, signum: int, frame: Any) -> None:
+        self.on_sigterm(signum, frame)
+
+    def _slurm_sigusr_handler_fn(self, signum: int, frame: Any) -> None:
+        self.on_requeue_signal(signum, frame)
 
 
-def _resolve(trainer: "pl.Trainer", path: str) -> Any:
-    obj: Any = trainer
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
+def _agreed_batch_check(broadcast: Callable[[Any], None]) -> Callable[[Any], None]:
+    def check_or_broadcast(self: Any) -> None:
+        signals = self.trainer._signal_connector
+        if isinstance(signals, SigtermSignalConnector):
+            return signals.at_batch_boundary()
+        return broadcast(self)
+
+    return check_or_broadcast
+
+
+def _announced_run_end(on_run_end: Callable[[Any], None]) -> Callable[[Any], None]:
+    def announce_then_end(self: Any) -> None:
+        signals = self.trainer._signal_connector
+        if isinstance(signals, SigtermSignalConnector):
+            signals.before_leaving_training()
+        return on_run_end(self)
+
+    return announce_then_end
 
 
 def replace_sigterm_handling(
@@ -200,23 +296,36 @@ def replace_sigterm_handling(
     at_batch_boundary: Callable[[], None],
     on_sigterm: Callable[..., None],
     on_requeue_signal: Callable[..., None],
+    before_leaving_training: Callable[[], None],
 ) -> None:
-    """On this trainer only: replace the per-batch SIGTERM broadcast and the SIGTERM and SLURM requeue handlers.
+    """On this trainer only: replace the per-batch SIGTERM broadcast, the SIGTERM and SLURM requeue handlers.
 
     Lightning's requeue handler (registered for ``SLURMEnvironment(auto_requeue=True)``, on SIGUSR1 by default) saves
-    a checkpoint and requeues the job from inside the signal handler (2.5.2-2.6.6). The signal connector builds its
-    handlers from these methods when the fit registers them, after ``strategy.setup``: call this from ``setup``.
+    a checkpoint and requeues the job from inside the signal handler (2.5.2-2.6.6). ``before_leaving_training`` runs
+    whenever the fit loop leaves training, however it ended (the data, ``max_steps``, a Timer, ``should_stop``), before
+    the callbacks' ``on_train_end`` hooks. The trainer gets a :class:`SigtermSignalConnector`, and the patches
+    ``"sigterm_batch_check"`` and ``"leaving_training"`` are installed once. Lightning registers the handlers after
+    ``strategy.setup``: call this from ``setup`` (after :func:`sigterm_internals_missing` said yes);
     :func:`restore_sigterm_handling` undoes it.
     """
-    replacements = (at_batch_boundary, on_sigterm, on_requeue_signal)
-    for (path, name), replacement in zip(_SHADOWED, replacements, strict=True):
-        _resolve(trainer, path).__dict__[name] = replacement
+    restore_sigterm_handling(trainer)
+    install_patch("sigterm_batch_check", _agreed_batch_check)
+    install_patch("leaving_training", _announced_run_end)
+    trainer._signal_connector = SigtermSignalConnector(
+        trainer, at_batch_boundary, on_sigterm, on_requeue_signal, before_leaving_training
+    )
 
 
 def restore_sigterm_handling(trainer: "pl.Trainer") -> None:
-    """Give this trainer Lightning's SIGTERM broadcast and notifier back."""
-    for path, name in _SHADOWED:
-        _resolve(trainer, path).__dict__.pop(name, None)
+    """Give this trainer Lightning's SIGTERM broadcast and signal connector back, with what the fit's one recorded.
+
+    Handlers already registered keep calling the pack's until Lightning's teardown restores the previous ones.
+    """
+    signals = trainer._signal_connector
+    if isinstance(signals, SigtermSignalConnector):
+        signals.replaced.received_sigterm = signals.received_sigterm
+        signals.replaced._original_handlers = signals._original_handlers
+        trainer._signal_connector = signals.replaced
 
 
 def slurm_checkpoint_path(trainer: "pl.Trainer") -> str:
@@ -230,38 +339,6 @@ def slurm_checkpoint_path(trainer: "pl.Trainer") -> str:
 def mark_sigterm_received(trainer: "pl.Trainer") -> None:
     """Record on the trainer that a SIGTERM stopped the fit, as Lightning's own handler does (2.5.2-2.6.6)."""
     trainer._signal_connector.received_sigterm = True
-
-
-def run_before_leaving_training(trainer: "pl.Trainer", callback: Callable[[], None]) -> Callable[[], None]:
-    """Call ``callback`` whenever this trainer's fit loop leaves training, however it ended; returns the undo.
-
-    Lightning's fit loop calls its ``on_run_end`` once training stops (data exhausted, ``max_steps``, a Timer,
-    ``should_stop``), before the callbacks' ``on_train_end`` hooks (2.5.2-2.6.6). The undo restores what was there
-    before, even if something else wrapped it since.
-    """
-    fit_loop = trainer.fit_loop
-    had_own = "on_run_end" in fit_loop.__dict__
-    previous = fit_loop.__dict__.get("on_run_end")
-    run_end = fit_loop.on_run_end
-    active = [True]
-
-    def leave_training() -> Any:
-        if active[0]:
-            callback()
-        return run_end()
-
-    fit_loop.on_run_end = leave_training
-
-    def undo() -> None:
-        active[0] = False  # a newer wrapper that calls this one keeps working, without the callback
-        if fit_loop.__dict__.get("on_run_end") is not leave_training:
-            return
-        if had_own:
-            fit_loop.on_run_end = previous
-        else:
-            del fit_loop.on_run_end
-
-    return undo
 
 
 def default_store() -> dist.Store:

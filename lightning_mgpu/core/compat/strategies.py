@@ -1,6 +1,5 @@
 """Lightning's strategies and its accelerator connector, DDP's reducer, FSDP2's mesh, and the patches of Lightning."""
 
-import functools
 import os
 from collections.abc import Callable
 from datetime import timedelta
@@ -15,66 +14,21 @@ from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_mgpu.core.compat.patches import PATCHES, install_patch, installed_patches, remove_patch
 from lightning_mgpu.core.compat.versions import TESTED_LIGHTNING_RANGE, UnsupportedLightningError
 
-# Lightning patches: each wraps one method of Lightning's private ``_AcceleratorConnector`` (2.5.2-2.6.6), class-wide,
-# once; each is named here, probed (a missing method leaves Lightning as it is) and reversible. Our wrapper carries
-# (name, itself): a wrapper someone else puts around ours copies that attribute, but not the identity
-CONNECTOR_PATCHES = {
-    "strategy_flag_hint": "_check_config_and_set_final_flags",  # names the closest strategy for an unknown one
-    "strategy_replacement": "_lazy_init_strategy",  # lets a strategy hand the Trainer the one it chose at launch
-}
-
-
-def _connector_class() -> Any:
-    from lightning.pytorch.trainer.connectors import accelerator_connector
-
-    return getattr(accelerator_connector, "_AcceleratorConnector", None)
-
-
-def _is_ours(function: Any, name: str) -> bool:
-    return getattr(function, "lightning_mgpu_patch", None) == (name, function)
-
-
-def _in_chain(method: Any, name: str) -> bool:
-    # ours, or under the wrappers others put around it since
-    while method is not None:
-        if _is_ours(method, name):
-            return True
-        method = getattr(method, "__wrapped__", None)
-    return False
-
-
-def _install_connector_patch(name: str, make_wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
-    connector = _connector_class()
-    method = getattr(connector, CONNECTOR_PATCHES[name], None)
-    if method is None:
-        return False
-    if not _in_chain(method, name):
-        wrapper = functools.wraps(method)(make_wrapper(method))
-        wrapper.lightning_mgpu_patch = (name, wrapper)  # type: ignore[attr-defined]
-        setattr(connector, CONNECTOR_PATCHES[name], wrapper)
-    return True
+# the patches of Lightning's private ``_AcceleratorConnector`` (2.5.2-2.6.6), among those named in ``patches.PATCHES``
+CONNECTOR_PATCHES = {name: method for name, (_, cls, method) in PATCHES.items() if cls == "_AcceleratorConnector"}
 
 
 def remove_connector_patch(name: str) -> bool:
-    """Give Lightning's connector its own method back; returns whether the patch ``name`` was removed.
-
-    Only an outermost wrapper is removed: one that someone else wrapped since stays (``False``), so that their
-    wrapper is not lost.
-    """
-    connector = _connector_class()
-    method = getattr(connector, CONNECTOR_PATCHES[name], None)
-    if method is None or not _is_ours(method, name):
-        return False
-    setattr(connector, CONNECTOR_PATCHES[name], method.__wrapped__)
-    return True
+    """Give Lightning's connector its own method back: :func:`~lightning_mgpu.core.compat.patches.remove_patch`."""
+    return name in CONNECTOR_PATCHES and remove_patch(name)
 
 
 def installed_connector_patches() -> list[str]:
     """The names of :data:`CONNECTOR_PATCHES` in place now, under other wrappers or not."""
-    connector = _connector_class()
-    return [name for name, method in CONNECTOR_PATCHES.items() if _in_chain(getattr(connector, method, None), name)]
+    return [name for name in installed_patches() if name in CONNECTOR_PATCHES]
 
 
 def install_strategy_flag_hint(add_hint: Callable[[Any, ValueError], None]) -> bool:
@@ -98,7 +52,7 @@ def install_strategy_flag_hint(add_hint: Callable[[Any, ValueError], None]) -> b
 
         return check_with_hint
 
-    return _install_connector_patch("strategy_flag_hint", make_wrapper)
+    return install_patch("strategy_flag_hint", make_wrapper)
 
 
 def install_strategy_replacement() -> bool:
@@ -122,7 +76,7 @@ def install_strategy_replacement() -> bool:
 
         return lazy_init_then_replace
 
-    return _install_connector_patch("strategy_replacement", make_wrapper)
+    return install_patch("strategy_replacement", make_wrapper)
 
 
 def replace_trainer_strategy(trainer: "pl.Trainer", strategy: "pl.strategies.Strategy") -> None:
