@@ -1,7 +1,7 @@
 """Batch normalisation synchronised over a process group on any device: gloo on CPU, NCCL on CUDA."""
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -21,16 +21,22 @@ class CollectiveLedger:
     A rank whose forward or backward failed part way must still take part in the collectives the other ranks issue
     in that pass, in the same order. It runs the pass again on a sample or two inside :meth:`replaying`: the layers'
     first gathers and reductions, the ones it issued before failing, are then computed from the local batch alone,
-    and the rest go out as usual. The numbers are per process; :meth:`start_pass` begins a new pass.
+    and the rest go out as usual. :meth:`start_pass` begins a new pass.
+
+    Each layer counts in its ``ledger``: the layers :func:`convert_sync_batchnorm` makes share one per model, a layer
+    built directly has its own (a pass replayed in the same order skips the same collectives either way);
+    :func:`ledgers_of` finds a model's.
 
     Example::
 
-        PASS_LEDGER.start_pass()
+        ledgers = ledgers_of(model)
+        for ledger in ledgers:
+            ledger.start_pass()
         try:
             loss = model(batch).mean()
             loss.backward()
         except torch.OutOfMemoryError:
-            with PASS_LEDGER.replaying():
+            with replaying(ledgers):
                 model(batch[:1]).mean().mul(0.0).backward()  # the collectives the others still wait in
     """
 
@@ -63,7 +69,22 @@ class CollectiveLedger:
         return self.reductions < self.skip_reductions
 
 
-PASS_LEDGER = CollectiveLedger()
+def ledgers_of(module: nn.Module) -> list[CollectiveLedger]:
+    """The distinct ledgers of ``module``'s :class:`DistributedBatchNorm` layers (one for a converted model)."""
+    found: dict[int, CollectiveLedger] = {}
+    for layer in module.modules():
+        if isinstance(layer, DistributedBatchNorm):
+            found.setdefault(id(layer.ledger), layer.ledger)
+    return list(found.values())
+
+
+@contextmanager
+def replaying(ledgers: list[CollectiveLedger]) -> Iterator[None]:
+    """Every ledger of ``ledgers`` in :meth:`~CollectiveLedger.replaying` at once."""
+    with ExitStack() as stack:
+        for ledger in ledgers:
+            stack.enter_context(ledger.replaying())
+        yield
 
 
 class DistributedBatchNorm(compat.BatchNormLayer):
@@ -117,6 +138,7 @@ class DistributedBatchNorm(compat.BatchNormLayer):
     ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
         self.process_group = process_group
+        self.ledger = CollectiveLedger()  # shared with the model's other layers by convert_sync_batchnorm
 
     @override
     def check_input_dim(self, input: Tensor) -> None:
@@ -148,7 +170,16 @@ class DistributedBatchNorm(compat.BatchNormLayer):
                 input, running_mean, running_var, self.weight, self.bias, use_batch_stats, factor, self.eps
             )
         return _SyncBatchNormFunction.apply(
-            input, self.weight, self.bias, running_mean, running_var, self.eps, factor, self.process_group, world_size
+            input,
+            self.weight,
+            self.bias,
+            running_mean,
+            running_var,
+            self.eps,
+            factor,
+            self.process_group,
+            world_size,
+            self.ledger,
         )
 
 
@@ -174,6 +205,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         factor: float,
         group: Any,
         world_size: int,
+        ledger: CollectiveLedger,
     ) -> Tensor:
         compute_dtype = torch.promote_types(input.dtype, torch.float32)
         x = input.to(compute_dtype)
@@ -181,14 +213,14 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         count, local_mean, local_m2 = _local_moments(x)
 
         packed = torch.cat([x.new_full((1,), count), local_mean, local_m2])
-        replayed = PASS_LEDGER.gather_skipped()  # issued before this rank's pass failed: the local batch alone
+        replayed = ledger.gather_skipped()  # issued before this rank's pass failed: the local batch alone
         if replayed:
             gathered = packed
         else:
             # gloo accepts only the flat (concatenated) output layout, not the stacked one
             gathered = packed.new_empty(world_size * packed.numel())
             _all_gather_into(gathered, packed, group)
-        PASS_LEDGER.gathers += 1  # counted once issued: an allocation that failed before issued nothing
+        ledger.gathers += 1  # counted once issued: an allocation that failed before issued nothing
         total, mean, m2 = _merge_moments(gathered.view(-1, packed.numel()), channels)
 
         # only a rank with at most one value can be part of a global batch of at most one value, and then all are:
@@ -213,7 +245,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             out = out + bias.to(compute_dtype).view(shape)
 
         ctx.save_for_backward(input, weight, mean, invstd, total)
-        ctx.group = group
+        ctx.group, ctx.ledger = group, ledger
         ctx.bias_dtype = None if bias is None else bias.dtype
         return out.to(input.dtype)
 
@@ -233,9 +265,9 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         # model, not of the batch
         if ctx.needs_input_grad[0]:
             global_sums = torch.cat([sum_dy, sum_dy_xhat])
-            if not PASS_LEDGER.reduction_skipped():
+            if not ctx.ledger.reduction_skipped():
                 dist.all_reduce(global_sums, op=dist.ReduceOp.SUM, group=ctx.group)
-            PASS_LEDGER.reductions += 1
+            ctx.ledger.reductions += 1
             mean_dy, mean_dy_xhat = (global_sums / total).view(2, -1)
             scale = invstd if weight is None else invstd * weight.to(compute_dtype)
             grad_x = (dy - mean_dy.view(shape) - xhat * mean_dy_xhat.view(shape)) * scale.view(shape)
@@ -244,7 +276,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             grad_weight = sum_dy_xhat.to(weight.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             grad_bias = sum_dy.to(ctx.bias_dtype)
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 def _group_size(group: Any) -> int:
@@ -303,8 +335,13 @@ def convert_sync_batchnorm(module: nn.Module, process_group: Any = None) -> nn.M
         process_group: Group whose ranks share statistics; ``None`` for the default (world) group.
 
     Returns:
-        ``module`` with its batch-norm layers replaced, or the new layer if ``module`` is one.
+        ``module`` with its batch-norm layers replaced, or the new layer if ``module`` is one. The new layers share
+        one :class:`CollectiveLedger`.
     """
+    return _convert(module, process_group, CollectiveLedger())
+
+
+def _convert(module: nn.Module, process_group: Any, ledger: CollectiveLedger) -> nn.Module:
     if isinstance(module, _CONVERTIBLE):
         converted = DistributedBatchNorm(
             module.num_features,
@@ -317,9 +354,10 @@ def convert_sync_batchnorm(module: nn.Module, process_group: Any = None) -> nn.M
         )
         _take_over_state(converted, module)
         converted._original_class = type(module)
+        converted.ledger = ledger
         return converted
     for name, child in module.named_children():
-        module.add_module(name, convert_sync_batchnorm(child, process_group))
+        module.add_module(name, _convert(child, process_group, ledger))
     return module
 
 

@@ -1,15 +1,11 @@
 """One all-gather per logging step, shared by every monitor of a run, on a host-side group."""
 
-import contextlib
 import math
-import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from lightning_mgpu.core.host_group import host_side_group
 
 RANK_STATISTICS: tuple[str, ...] = ("max_rank", "min", "mean", "max")
 
@@ -22,7 +18,8 @@ class RankGather:
     others read their columns from it. Every rank must ask at the same steps (the monitors follow Lightning's
     ``log_every_n_steps``), so each rank makes exactly one collective per such step however many monitors run.
 
-    Obtain it with :func:`join_rank_gather`; it lives while a monitor is registered.
+    Obtain it from the fit's :meth:`~lightning_mgpu.core.step_service.StepService.join_rank_gather`; it lives
+    while a monitor is registered.
 
     Args:
         world_size: the number of processes.
@@ -73,41 +70,6 @@ class RankGather:
         gathered = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(gathered, local, group=self.group)
         return torch.stack(gathered).cpu()
-
-
-_GATHERS: "weakref.WeakKeyDictionary[Any, RankGather]" = weakref.WeakKeyDictionary()
-
-
-def join_rank_gather(
-    trainer: Any,
-    owner: object,
-    provide: Callable[[], torch.Tensor],
-    timeout: Any = None,
-    warn: Callable[[str], None] | None = None,
-) -> RankGather | None:
-    """The run's shared gather, made on first use (a collective: every rank's monitors join in the same order).
-
-    ``None`` with a single process or without an initialised process group.
-    """
-    if trainer.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
-        return None
-    shared = _GATHERS.get(trainer)
-    if shared is None:
-        group, device = host_side_group(trainer.strategy.root_device, timeout, warn)
-        shared = _GATHERS[trainer] = RankGather(trainer.world_size, group, device)
-    shared.register(owner, provide)
-    return shared
-
-
-def leave_rank_gather(trainer: Any, owner: object) -> None:
-    """Unregister ``owner``; the last to leave destroys the side group."""
-    shared = _GATHERS.get(trainer)
-    if shared is None or not shared.unregister(owner):
-        return
-    del _GATHERS[trainer]
-    if shared.group is not None:
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group(shared.group)
 
 
 def summarize_across_ranks(gathered: torch.Tensor, keys: list[str]) -> dict[str, float]:

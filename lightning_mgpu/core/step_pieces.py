@@ -49,28 +49,6 @@ from lightning_mgpu.core.batch_split import (
     rebuild_sequence,
 )
 
-_piece_share = [1.0]  # the share of its batch the piece whose backward runs now holds (1.0 outside pieces)
-
-
-@contextlib.contextmanager
-def piece_share(share: float) -> Iterator[None]:
-    """Tell :func:`current_piece_share` that the backward run inside is a piece holding ``share`` of its batch."""
-    _piece_share.append(share)
-    try:
-        yield
-    finally:
-        _piece_share.pop()
-
-
-def current_piece_share() -> float:
-    """The share of its batch (samples / batch samples) the piece whose backward runs now holds; 1.0 for a whole batch.
-
-    The loss a backward hook sees for such a piece is about this share of the whole batch's (weighted for a mean
-    loss, a partial sum for a sum): a hook that compares losses across steps divides by it.
-    """
-    return _piece_share[-1]
-
-
 _LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
 # Lightning's accepted reductions (its ``_Metadata._parse_reduce_fx``): the names and the functions of each
 REDUCTIONS: dict[str, tuple[Any, ...]] = {

@@ -25,13 +25,14 @@ from typing_extensions import override
 
 from lightning_mgpu.core import compat
 from lightning_mgpu.core.step_pieces import LogCall, capture_logs, merge_outputs, replay_logs
+from lightning_mgpu.core.step_service import OwnStepService
 from lightning_mgpu.core.strategy_choice import StrategyChoice
 from lightning_mgpu.long_runs.exact_resume import ExactResume, OneProcessCheckpoints
 
 log = logging.getLogger(__name__)
 
 
-class DataParallelStrategy(OneProcessCheckpoints, ParallelStrategy):
+class DataParallelStrategy(OwnStepService, OneProcessCheckpoints, ParallelStrategy):
     """Train on all GPUs of one process with :class:`torch.nn.DataParallel`, which Lightning 2.x removed.
 
     Each step scatters the batch across the GPUs, runs the step on one replica of the module per GPU and merges
@@ -234,6 +235,7 @@ class DataParallelStrategy(OneProcessCheckpoints, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        self.end_step_service()
         self._exact_resume.teardown()
         if isinstance(self.model, _ReplicaDataParallel):
             self.model = self.lightning_module

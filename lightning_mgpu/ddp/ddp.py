@@ -23,6 +23,7 @@ from lightning_mgpu.core import compat
 from lightning_mgpu.core.blocks import apply_activation_checkpointing
 from lightning_mgpu.core.distributed_batchnorm import has_batchnorm
 from lightning_mgpu.core.options import ENGINE_OPTIONS, Option, SyncBatchNormSetting, validate, with_options
+from lightning_mgpu.core.step_service import OwnStepService
 from lightning_mgpu.core.step_timing import CommTimer
 from lightning_mgpu.core.strategy_choice import StrategyChoice
 from lightning_mgpu.core.sync_batchnorm import DeviceAgnosticSyncBatchNorm
@@ -71,7 +72,7 @@ _UNUSED_PARAMETERS_ERROR = "Expected to have finished reduction in the prior ite
 
 # the Args: section is generated from the declarations (core/options.py, ddp/options.py, long_runs/hang_watch.py)
 @with_options(ENGINE_OPTIONS, DDP_OPTIONS, (HANG_TIMEOUT,))
-class DDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, compat.DDPStrategyBase):
+class DDPStrategy(OwnStepService, HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, compat.DDPStrategyBase):
     """Lightning's DDPStrategy whose options are plain values, so a strategy name or a YAML config can set them.
 
     Additions over Lightning's DDP:
@@ -121,6 +122,7 @@ class DDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, compa
     """
 
     OPTIONS: ClassVar[tuple[Option, ...]]  # the declared options this class takes, in its signature's order
+    reads_step_requests = True  # the step service's reduction requests, read when the model is wrapped
 
     def __init__(
         self,
@@ -180,7 +182,6 @@ class DDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, compa
         # what bucket_cap_mb="auto" / comm_hook="auto" settled on; None until the first training batch
         self.bucket_tuning: BucketTuningResult | None = None
         self._tuning = DDPBucketTuning(self)
-        self._sync_batchnorm_declined: str | None = None
         self.powersgd_rank = powersgd_rank
         self.powersgd_warmup_steps = powersgd_warmup_steps
         self.choice: StrategyChoice | None = None
@@ -188,15 +189,6 @@ class DDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, compa
         self._exact_resume = ExactResume(type(self).__name__)
         self.hang_timeout = hang_timeout
         self._hang_watch = FitHangWatch(hang_timeout)
-        # set by PerformanceMonitor in its setup, before the model is wrapped: the reductions are then timed
-        self.comm_timer: CommTimer | None = None
-        # set by a callback before the model is wrapped: carried in the gradient reduction of every DDP wrap
-        self.step_flag: StepFlag | None = None
-        self.step_flag_registered = False  # whether the current wrap carries it (see register_own_comm_hook)
-        # whether the hook registered is a plain average (DDP's own reduction timed, or carrying the step flag): no
-        # compression of ours or Lightning's
-        self.plain_reduction_hook = False
-        self._comm_hook_timed = False
 
     @property
     def ddp_kwargs(self) -> dict[str, Any]:
@@ -207,28 +199,6 @@ class DDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, compa
     def tunes_buckets(self) -> bool:
         """Whether ``bucket_cap_mb`` or ``comm_hook`` is ``"auto"``."""
         return self.bucket_cap_mb == "auto" or self.comm_hook == "auto"
-
-    def disable_bucket_tuning(self, reason: str) -> None:
-        """Keep the configured (or torch's default) bucket size and hook untimed for the next fit.
-
-        For callbacks that reduce gradients themselves, outside DDP's buckets, where timing buckets means nothing.
-
-        Args:
-            reason: why, for the log line and :attr:`bucket_tuning`.
-        """
-        self._tuning.disable(reason)
-
-    def decline_auto_sync_batchnorm(self, reason: str) -> None:
-        """Leave BatchNorm local for the next fit when ``sync_batchnorm="auto"``; an explicit ``True`` is kept.
-
-        For callbacks that run a different number of forward passes on each rank (a synchronized BatchNorm would
-        then call its collective a different number of times and hang). Call it before the strategy's ``setup``,
-        from a callback's ``setup`` hook.
-
-        Args:
-            reason: why, for the log line.
-        """
-        self._sync_batchnorm_declined = reason
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -263,9 +233,7 @@ class DDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, compa
 
     @override
     def teardown(self) -> None:
-        if self.step_flag is not None:
-            self.step_flag.release()
-        self.step_flag_registered = False
+        self.end_step_service()
         self._hang_watch.stop()
         self._tuning.teardown()
         self._exact_resume.teardown()
@@ -310,7 +278,7 @@ class DDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, compa
         if trainer_plugin is not None and not isinstance(trainer_plugin, TorchSyncBatchNorm):
             return trainer_plugin  # a LayerSync of the user's own choosing
         wanted = True if trainer_plugin is not None else self.sync_batchnorm
-        declined, self._sync_batchnorm_declined = self._sync_batchnorm_declined, None
+        declined = self.step_service.local_batchnorm
         if wanted == "auto":
             module = self.lightning_module
             if module is None or not has_batchnorm(module) or self.world_size <= 1:
@@ -333,13 +301,13 @@ class DDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, compa
         Not with PowerSGD (its buckets all complete with the last one, so per-bucket spans would not say when each
         was reduced), a ``ddp_comm_hook`` of Lightning's, or a hook DDP registered itself (``mixed_precision``).
         """
-        return self._comm_hook_timed
+        return self.step_service.reductions_timed
 
     @override
     def register_own_comm_hook(self) -> bool:
-        hook = self._active_comm_hook
-        self.plain_reduction_hook = self._comm_hook_timed = self.step_flag_registered = False
-        timer = self.comm_timer if hook != "powersgd" else None
+        hook, service = self._active_comm_hook, self.step_service
+        service.plain_reduction = service.reductions_timed = service.flag_carried = False
+        timer = service.comm_timer if hook != "powersgd" else None
         if self._register_step_flag(hook, timer):
             return True
         if hook is None and (
@@ -348,11 +316,11 @@ class DDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, compa
             return False  # Lightning registers its ddp_comm_hook, if one was given; or DDP registered its own
         assert isinstance(self.model, DistributedDataParallel)
         wrap = timer.wrap if timer is not None else None
-        self._comm_hook_timed = wrap is not None
+        service.reductions_timed = wrap is not None
         if hook is None:
             assert wrap is not None
             register_timed_allreduce(self.model, wrap)
-            self.plain_reduction_hook = True
+            service.plain_reduction = True
             return True
         register_comm_hook(
             self.model,
@@ -365,15 +333,15 @@ class DDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, compa
         return True
 
     def _register_step_flag(self, hook: str | None, timer: CommTimer | None) -> bool:
-        """Register the flag-carrying variant of ``hook`` if a callback asked for :attr:`step_flag` and it can be.
+        """Register the flag-carrying variant of ``hook`` if the step service has a :class:`StepFlag` to carry.
 
         Not with PowerSGD (its buckets are reduced together, not one by one), a ``ddp_comm_hook`` of Lightning's, a
         hook DDP registered itself, DDP's ``find_unused_parameters`` / ``static_graph``, or parameters DDP reduces by
-        an all-reduce of its own (``delay_all_reduce_named_params``): then
-        :attr:`step_flag_registered` stays ``False`` and the asking callback keeps its own way.
+        an all-reduce of its own (``delay_all_reduce_named_params``): then the service's ``flag_carried`` stays
+        ``False`` and the asking callback keeps its own way.
         """
-        flag = self.step_flag
-        if flag is None or hook == "powersgd" or compat.lightning_comm_state(self):
+        service, flag = self.step_service, self.step_service.flag
+        if not isinstance(flag, StepFlag) or hook == "powersgd" or compat.lightning_comm_state(self):
             return False
         model = self.model
         assert isinstance(model, DistributedDataParallel)
@@ -384,9 +352,9 @@ class DDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, compa
         flag.process_group = model.process_group
         wrap = timer.wrap if timer is not None else None
         register_flagged_hook(model, flag, hook or "mean", wrap=wrap)  # type: ignore[arg-type]
-        self._comm_hook_timed = wrap is not None
-        self.plain_reduction_hook = hook is None
-        self.step_flag_registered = True
+        service.reductions_timed = wrap is not None
+        service.plain_reduction = hook is None
+        service.flag_carried = True
         return True
 
 

@@ -63,7 +63,6 @@ class DDPBucketTuning:
         self.tuner: BucketTuner | None = None
         self.step: int | None = None  # the global step the tuner last saw
         self.marker: tuple[int, int] | None = None  # (epoch, validation runs) when that step started
-        self.disabled_reason: str | None = None
         self.restored: BucketTuningResult | None = None  # from the checkpoint the next fit resumes
         # nothing left to tune in this fit (decided at its first optimizer step): the strategy stops calling
         self.settled = False
@@ -78,10 +77,6 @@ class DDPBucketTuning:
     def owner(self) -> str:
         """The strategy's class name, for log lines."""
         return type(self.strategy).__name__
-
-    def disable(self, reason: str) -> None:
-        """Keep the configured setting untimed for the next fit, for ``reason``."""
-        self.disabled_reason = reason
 
     def setup(self, trainer: "pl.Trainer") -> None:
         """Start each fit from the configured setting, or from a checkpoint's tuned one; before DDP wraps the model."""
@@ -127,9 +122,8 @@ class DDPBucketTuning:
         self.restored = BucketTuningResult.restored(state) if isinstance(state, dict) else None
 
     def teardown(self) -> None:
-        """Forget the fit's tuner and a ``disable`` reason: they hold for one fit."""
+        """Forget the fit's tuner: it holds for one fit."""
         self.tuner = None
-        self.disabled_reason = None
 
     def _apply_restored(self, restored: BucketTuningResult) -> None:
         strategy = self.strategy
@@ -154,8 +148,9 @@ class DDPBucketTuning:
 
     def _skip_reason(self, trainer: "pl.Trainer", bucket_sizes: list[float | None]) -> str | None:
         strategy = self.strategy
-        if self.disabled_reason is not None:
-            return self.disabled_reason
+        untimed = strategy.step_service.untimed_buckets  # a callback reduces gradients outside DDP's buckets
+        if untimed is not None:
+            return untimed
         if trainer.state.fn != TrainerFn.FITTING or not isinstance(strategy.model, DistributedDataParallel):
             return "not fitting with DDP"
         # torch registers hooks of its own at every wrap with these and never removes them: each trial would keep the

@@ -5,11 +5,12 @@ from typing import Any
 from lightning.pytorch.strategies import SingleDeviceStrategy as LightningSingleDeviceStrategy
 from typing_extensions import override
 
+from lightning_mgpu.core.step_service import OwnStepService
 from lightning_mgpu.core.strategy_choice import StrategyChoice
 from lightning_mgpu.long_runs.exact_resume import ExactResume, OneProcessCheckpoints
 
 
-class SingleDeviceStrategy(OneProcessCheckpoints, LightningSingleDeviceStrategy):
+class SingleDeviceStrategy(OwnStepService, OneProcessCheckpoints, LightningSingleDeviceStrategy):
     """Train on one device, as Lightning's ``SingleDeviceStrategy``; ``choice`` says why it was chosen.
 
     As the pack's DDP strategies, it resumes a mid-epoch checkpoint exactly (the training loader's remaining batches
@@ -32,5 +33,6 @@ class SingleDeviceStrategy(OneProcessCheckpoints, LightningSingleDeviceStrategy)
 
     @override
     def teardown(self) -> None:
+        self.end_step_service()
         self._exact_resume.teardown()
         super().teardown()

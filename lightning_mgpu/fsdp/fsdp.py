@@ -34,6 +34,7 @@ from lightning_mgpu.core import compat
 from lightning_mgpu.core.blocks import apply_activation_checkpointing, sharding_units
 from lightning_mgpu.core.distributed_batchnorm import has_batchnorm
 from lightning_mgpu.core.options import ENGINE_OPTIONS, Option, SyncBatchNormSetting, validate, with_options
+from lightning_mgpu.core.step_service import OwnStepService
 from lightning_mgpu.core.strategy_choice import StrategyChoice
 from lightning_mgpu.core.sync_batchnorm import DeviceAgnosticSyncBatchNorm
 from lightning_mgpu.fsdp.memory_plan import MemoryPlan
@@ -55,7 +56,7 @@ _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step"
 
 # the Args: section is generated from the declarations (core/options.py, fsdp/options.py, long_runs/hang_watch.py)
 @with_options(ENGINE_OPTIONS, FSDP_OPTIONS, (HANG_TIMEOUT,))
-class FSDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, ModelParallelStrategy):
+class FSDPStrategy(OwnStepService, HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, ModelParallelStrategy):
     """Shard an unmodified LightningModule's parameters, gradients and optimizer state across processes with FSDP2.
 
     No ``configure_model`` is needed: at ``setup`` the strategy finds the model's repeated blocks (the layers of a
@@ -303,6 +304,7 @@ class FSDPStrategy(HangWatchHooks, SigtermAgreementHooks, ExactResumeHooks, Mode
 
     @override
     def teardown(self) -> None:
+        self.end_step_service()
         self._exact_resume.teardown()
         super().teardown()
 

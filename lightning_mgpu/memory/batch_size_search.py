@@ -16,8 +16,8 @@ from lightning_mgpu.core import compat
 from lightning_mgpu.core.batch_split import batch_size_of, slice_batch
 from lightning_mgpu.core.distributed_batchnorm import DistributedBatchNorm
 from lightning_mgpu.core.step_pieces import LogCall, capture_logs
+from lightning_mgpu.core.step_service import step_service
 from lightning_mgpu.core.validation import check_int, check_str
-from lightning_mgpu.ddp.ddp import DDPStrategy
 from lightning_mgpu.fsdp.memory_planning import first_batch, untouched
 from lightning_mgpu.memory.batch_search import SearchResult, search_micro_batch
 from lightning_mgpu.memory.oom import is_out_of_memory, release_memory
@@ -83,9 +83,8 @@ class BatchSizeSearch(Callback):
             raise MisconfigurationException(
                 f"{name} sets accumulate_grad_batches itself; remove the GradientAccumulationScheduler."
             )
-        if isinstance(trainer.strategy, DDPStrategy):
-            # converted after this hook: a synchronized BatchNorm's collective inside a failing trial would hang
-            trainer.strategy.decline_auto_sync_batchnorm(f"{name} runs trials that may fail on one rank mid-forward")
+        # converted after this hook: a synchronized BatchNorm's collective inside a failing trial would hang
+        step_service(trainer).keep_batchnorm_local(f"{name} runs trials that may fail on one rank mid-forward")
         if not lightning_hasattr(pl_module, self.batch_arg_name):
             raise MisconfigurationException(
                 f"{name}(batch_arg_name={self.batch_arg_name!r}): neither the model, its hparams nor the datamodule "

@@ -19,10 +19,9 @@ from lightning_mgpu.core.prometheus_exporter import PrometheusExporter, ServesPr
 from lightning_mgpu.core.rank_gather import (
     RANK_STATISTICS,
     RankGather,
-    join_rank_gather,
-    leave_rank_gather,
     summarize_across_ranks,
 )
+from lightning_mgpu.core.step_service import StepService, step_service
 from lightning_mgpu.core.training_events import EventFile, EventKind, EventLog, RecordsEvents, events_path
 from lightning_mgpu.core.validation import check_bool, check_int, check_number, check_sequence, check_str
 from lightning_mgpu.ddp.data_parallel import DataParallelStrategy
@@ -209,7 +208,7 @@ class GPUMemoryMonitor(RecordsEvents, ServesPrometheus, Callback):
         self._event_file: EventFile | None = None
         self._event_sources: list[list[Any]] = []  # [log, events of it already read]
         self._gather: RankGather | None = None
-        self._gather_trainer: Any = None
+        self._service: StepService | None = None  # the fit's, for the gather shared with the other monitors
         self._rank = 0
         self._world_size = 1
 
@@ -354,7 +353,7 @@ class GPUMemoryMonitor(RecordsEvents, ServesPrometheus, Callback):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         # threads, open files, HTTP servers and process groups cannot travel into spawned workers
-        for name in ("_sampler", "_timeline", "_exporter", "_watch", "_gather", "_gather_trainer", "_event_file"):
+        for name in ("_sampler", "_timeline", "_exporter", "_watch", "_gather", "_service", "_event_file"):
             state[name] = None
         return state
 
@@ -428,8 +427,8 @@ class GPUMemoryMonitor(RecordsEvents, ServesPrometheus, Callback):
 
     def _setup_gather(self, trainer: "pl.Trainer") -> None:
         # shared with the other monitors of the run (PerformanceMonitor): one all-gather per logging step in all
-        self._gather_trainer = trainer
-        self._gather = join_rank_gather(
+        self._service = step_service(trainer)
+        self._gather = self._service.join_rank_gather(
             trainer,
             self,
             self._window_for_gather,
@@ -502,7 +501,7 @@ class GPUMemoryMonitor(RecordsEvents, ServesPrometheus, Callback):
     def _shutdown(self, print_paths: bool, plot: bool = True) -> None:
         """Stop everything this stage started; each part on its own, so one failure cannot leak the others."""
         sampler, timeline, exporter = self._sampler, self._timeline, self._exporter
-        gather_trainer = self._gather_trainer
+        service = self._service
         watch = self._watch
         self._collect_events()
         event_file = self._event_file
@@ -516,8 +515,8 @@ class GPUMemoryMonitor(RecordsEvents, ServesPrometheus, Callback):
                 exporter.stop()
             except Exception as err:
                 self._warn_on_this_rank(f"stopping the Prometheus endpoint failed: {err!r}")
-        if gather_trainer is not None:
-            leave_rank_gather(gather_trainer, self)
+        if service is not None:
+            service.leave_rank_gather(self)
         if event_file is not None:
             event_file.close()
         if timeline is None:

@@ -21,9 +21,9 @@ from lightning_mgpu.core._logging import has_progress_bar, show_in_progress_bar
 from lightning_mgpu.core.batch_split import batch_size_of, split_batch
 from lightning_mgpu.core.distributed_batchnorm import DistributedBatchNorm
 from lightning_mgpu.core.step_pieces import LogCall, capture_logs, merge_outputs, replay_logs
+from lightning_mgpu.core.step_service import StepService, step_service
 from lightning_mgpu.core.training_events import EventLog, RecordsEvents
 from lightning_mgpu.core.validation import check_bool, check_choice, check_int, check_str
-from lightning_mgpu.ddp.ddp import DDPStrategy
 from lightning_mgpu.ddp.step_flag import StepFlag
 from lightning_mgpu.memory.micro_batch_policy import MicroBatchSizePolicy
 from lightning_mgpu.memory.oom import is_out_of_memory, memory_summary, release_memory
@@ -186,6 +186,7 @@ class OOMBackoff(RecordsEvents, Callback):
         self._runner: MicroBatchTrainer | None = None
         self._loop: BackoffOptimization | None = None
         self._trainer: pl.Trainer | None = None
+        self._service: StepService | None = None  # the fit's, asked at setup to carry the flag
         self._eval_route: Callable[[], None] | None = None  # undoes the routing of an evaluation loop's steps
         self._eval_rollback: StepRollback | None = None
         self._largest_batch = 0  # this fit's, for the progress bar: a short last batch is no smaller micro-batch
@@ -254,20 +255,21 @@ class OOMBackoff(RecordsEvents, Callback):
             self._refuse_ddp_options(
                 kwargs.get("delay_all_reduce_named_params") is not None, kwargs.get("mixed_precision")
             )
-        if stage == "fit" and isinstance(trainer.strategy, DDPStrategy):
+        self._service = step_service(trainer)
+        if stage == "fit" and self._service.reads_requests:
             # before the model is wrapped: a rank that runs out of memory tells the others in the gradient all-reduce
             # (one bit, in the last bucket itself; in this callback's own steps the loss's gradient is scaled instead
             # of each bucket divided)
-            trainer.strategy.step_flag = StepFlag(slots=1, in_place=True)
+            self._service.carry_flag(StepFlag(slots=1, in_place=True))
         self._eval_rollback = None  # built at the first evaluation step, after configure_model and the device move
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._check_strategy(trainer, pl_module)
-        strategy = trainer.strategy
-        if isinstance(strategy, DDPStrategy) and strategy.tunes_buckets and not strategy.step_flag_registered:
+        service = step_service(trainer)  # the FSDP strategy's, if a memory plan switched to it: then it reads nothing
+        if service.reads_requests and not service.flag_carried:
             # bucket sizes and hooks change nothing while this callback averages the gradients itself
-            strategy.disable_bucket_tuning(f"{type(self).__name__} averages gradients outside DDP's buckets")
+            service.keep_buckets_untimed(f"{type(self).__name__} averages gradients outside DDP's buckets")
         if self._loader_batch_size is not None:
             # restored from a checkpoint of a run whose batch size was reduced: the loader is built after this hook
             lightning_setattr(pl_module, self.batch_arg_name, self._loader_batch_size)
@@ -301,10 +303,9 @@ class OOMBackoff(RecordsEvents, Callback):
         if self._runner is not None:
             self._runner.close()
             self._runner = None
-        strategy = trainer.strategy
-        if isinstance(strategy, DDPStrategy) and isinstance(strategy.step_flag, StepFlag):
-            strategy.step_flag.release()
-            strategy.step_flag = None
+        if self._service is not None:
+            self._service.drop_flag()
+            self._service = None
         self._stop_eval_routing()
 
     # ------------------------------------------------------------------------ points where every rank meets
@@ -482,9 +483,9 @@ class OOMBackoff(RecordsEvents, Callback):
                     f" undone. Use {type(trainer.strategy).__name__}(sync_batchnorm=True), whose"
                     f" {DistributedBatchNorm.__name__} layers {name} can replay, or turn sync_batchnorm off."
                 )
-            plain = getattr(trainer.strategy, "plain_reduction_hook", False)  # PerformanceMonitor's timing only
-            carried = getattr(trainer.strategy, "step_flag_registered", False)  # the hook is DDP's reduction, kept
-            if compat.ddp_has_comm_hook(runner_model) and not (plain or carried):
+            service = step_service(trainer)
+            # PerformanceMonitor's timing only, or the hook is DDP's reduction carrying the flag: kept
+            if compat.ddp_has_comm_hook(runner_model) and not (service.plain_reduction or service.flag_carried):
                 rank_zero_warn(
                     f"{name}: the DDP communication hook registered on the model is bypassed; gradients are averaged"
                     " in full precision after the local backward passes."

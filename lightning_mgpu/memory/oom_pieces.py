@@ -18,8 +18,9 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_mgpu.core.batch_split import slice_batch
-from lightning_mgpu.core.distributed_batchnorm import PASS_LEDGER, DistributedBatchNorm
-from lightning_mgpu.core.step_pieces import LogCall, capture_logs, merge_outputs, piece_share
+from lightning_mgpu.core.distributed_batchnorm import CollectiveLedger, ledgers_of, replaying
+from lightning_mgpu.core.step_pieces import LogCall, capture_logs, merge_outputs
+from lightning_mgpu.core.step_service import StepService, step_service
 from lightning_mgpu.ddp.step_flag import StepFlag
 from lightning_mgpu.memory.oom import cuda_allocated_bytes, release_memory
 from lightning_mgpu.memory.oom_agreement import LocalFailure, OOMRecoveryError
@@ -50,12 +51,14 @@ def step_and_backward(
     grad_scale: float = 1.0,
     losses: list[Tensor] | None = None,
     share: float = 1.0,
+    service: StepService | None = None,
 ) -> tuple[ClosureResult, Tensor | None]:
     """Run Lightning's training step on ``kwargs`` and the backward of its loss times ``weight``.
 
     ``grad_scale`` multiplies the gradient the backward starts from, not the loss the hooks and loggers see (the
     step flag's hooks leave the division by the world size to it). ``losses`` receives the loss before the backward.
-    ``share`` is the piece's share of its batch, told to the backward's hooks (:func:`current_piece_share`).
+    ``share`` is the piece's share of its batch, told to the backward's hooks through the fit's ``service``
+    (:meth:`~lightning_mgpu.core.step_service.StepService.in_piece`).
 
     Returns Lightning's result of the training step (its loss not weighted) and the weighted loss, detached.
     """
@@ -68,8 +71,11 @@ def step_and_backward(
     if loss is not None and losses is not None:
         losses.append(loss.detach())  # known before the backward, which may fail
     if loss is not None and backward_fn is not None:
-        with piece_share(share):
+        if service is None or share == 1.0:
             backward_fn(loss)
+        else:
+            with service.in_piece(share):
+                backward_fn(loss)
     return output, (loss.detach() if loss is not None else None)
 
 
@@ -95,6 +101,7 @@ class BatchRunner:
         self.loss_reduction = loss_reduction
         self.owner = owner
         strategy = trainer.strategy
+        self.service = step_service(trainer)
         self.ddp = strategy.model if isinstance(strategy.model, DistributedDataParallel) else None
         self.world_size = trainer.world_size
         self.rank = trainer.global_rank
@@ -104,8 +111,9 @@ class BatchRunner:
         self.rollback = StepRollback(self.pl_module, participants)
         # synchronised BatchNorm runs collectives in every training pass: a rank that fails part way replays the
         # rest of them, and every rank runs the same micro-batches
-        modules = self.pl_module.modules()
-        self.sync_bn = self.world_size > 1 and any(isinstance(m, DistributedBatchNorm) for m in modules)
+        # (the ledgers count the layers' collectives in a pass, for a replay to skip the ones issued already)
+        self.ledgers: list[CollectiveLedger] = ledgers_of(self.pl_module)
+        self.sync_bn = self.world_size > 1 and bool(self.ledgers)
         self.batch_rollback = StepRollback(self.pl_module, participants) if self.sync_bn else None
         self.params: list[Tensor] = []  # listed again at every batch that needs them
         # a failure after the gradients were complete (the optimizer step's OOM, a hook after the backward), carried
@@ -118,14 +126,19 @@ class BatchRunner:
     @property
     def flag(self) -> StepFlag | None:
         """The flag the strategy carries in the gradient all-reduce, if it carries one."""
-        return getattr(self.trainer.strategy, "step_flag", None)
+        flag = self.service.flag
+        return flag if isinstance(flag, StepFlag) else None
 
     def flag_carried(self) -> bool:
         """Whether a failure on this batch can reach every rank without a collective of its own."""
         if self.world_size == 1:
             return True
-        registered = getattr(self.trainer.strategy, "step_flag_registered", False)
-        return self.ddp is not None and isinstance(self.flag, StepFlag) and registered
+        return self.ddp is not None and self.flag is not None and self.service.flag_carried
+
+    def start_pass(self) -> None:
+        """A new training pass for the synchronised BatchNorm layers' ledgers: nothing issued yet."""
+        for ledger in self.ledgers:
+            ledger.start_pass()
 
     def trainable_params(self) -> list[Tensor]:
         """Listed per batch that needs them: layers a fine-tuning callback unfroze since are accumulated too."""
@@ -193,10 +206,12 @@ class BatchRunner:
             self.rollback.save()
             saved = True
             stashed, stashing = stash_grads(self.params), True
-            PASS_LEDGER.start_pass()
+            self.start_pass()
             with self.no_sync(), capture_logs(self.pl_module, logs, samples):
                 piece_kwargs = with_batch(kwargs, piece)
-                output, detached = step_and_backward(loop, piece_kwargs, backward_fn, weight, share=samples / total)
+                output, detached = step_and_backward(
+                    loop, piece_kwargs, backward_fn, weight, share=samples / total, service=self.service
+                )
         except Exception as err:
             if stashing:
                 unstash_grads(self.params, stashed)
@@ -212,7 +227,7 @@ class BatchRunner:
         piece_kwargs = with_batch(kwargs, pending_piece[0])
         stashed = stash_grads(self.params)
         try:
-            with PASS_LEDGER.replaying(), self.no_sync():
+            with replaying(self.ledgers), self.no_sync():
                 self.replay_pass(piece_kwargs)().mul(0.0).backward()
         finally:
             unstash_grads(self.params, stashed)

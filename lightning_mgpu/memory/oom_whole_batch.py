@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_mgpu.core.batch_split import slice_batch, split_batch
-from lightning_mgpu.core.distributed_batchnorm import PASS_LEDGER
+from lightning_mgpu.core.distributed_batchnorm import replaying
 from lightning_mgpu.core.step_pieces import LogCall, capture_logs, replay_logs
 from lightning_mgpu.ddp.step_flag import StepFlag
 from lightning_mgpu.memory.micro_batch_policy import MicroBatchSizePolicy
@@ -151,7 +151,7 @@ class WholeBatchPath:
     ) -> tuple[ClosureResult | None, LocalFailure | None]:
         runner = self.runner
         runner.rollback.save()  # a few small copies (normalization statistics, metric states) a failure would need
-        PASS_LEDGER.start_pass()
+        runner.start_pass()
         allocated_before = cuda_allocated_bytes()
         logs: list[LogCall] = []
         failure = None
@@ -269,7 +269,7 @@ class WholeBatchPath:
     ) -> bool:
         replay = self.runner.replay_pass(kwargs) if self.runner.sync_bn else None
         try:
-            with PASS_LEDGER.replaying():
+            with replaying(self.runner.ledgers):
                 return flag.finish_failed_step(ddp, replay=replay)
         except Exception:
             # the replay of training_step failed too (the same error again, most likely): the other ranks are left
@@ -296,7 +296,7 @@ class WholeBatchPath:
         stashed = stash_grads(params)
         allocated_before = cuda_allocated_bytes()
         runner.rollback.save()
-        PASS_LEDGER.start_pass()
+        runner.start_pass()
         flag = runner.flag
         assert flag is not None and runner.ddp is not None
         flag.in_pass = False  # set once DDP's forward has run its own collectives and reached the module

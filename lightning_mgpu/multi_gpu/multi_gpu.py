@@ -268,10 +268,13 @@ class MultiGPUStrategy(DDPStrategy):
         compat.set_launcher(fsdp, self.launcher)
         fsdp.connect(self.lightning_module)
         fsdp.plan = plan
-        # what callbacks set on this strategy for a DDP fit, in their setup hooks: the FSDP fit has none of it
-        if self.step_flag is not None:
-            self.step_flag.release()
-        self.step_flag, self.comm_timer = None, None
+        # the fit's step service goes on with the FSDP strategy; what callbacks asked of DDP's reduction in their setup
+        # hooks does not apply to it
+        service = self.step_service
+        service.drop_flag()
+        service.time_reductions(None)
+        service.reads_requests = False
+        fsdp.continue_step_service(service)
         compat.replace_trainer_strategy(trainer, fsdp)
         fsdp.setup_environment()
         fsdp.setup(trainer)

@@ -19,7 +19,8 @@ from lightning_mgpu.core._imports import PROMETHEUS_AVAILABLE
 from lightning_mgpu.core._logging import has_progress_bar, show_in_progress_bar
 from lightning_mgpu.core.nvml import torch_device_uuid
 from lightning_mgpu.core.prometheus_exporter import PrometheusExporter, ServesPrometheus
-from lightning_mgpu.core.rank_gather import RankGather, join_rank_gather, leave_rank_gather, summarize_across_ranks
+from lightning_mgpu.core.rank_gather import RankGather, summarize_across_ranks
+from lightning_mgpu.core.step_service import StepService, step_service
 from lightning_mgpu.core.step_timing import STEP_METRICS, CommTimer, StepTimer, clock_for, window_figures
 from lightning_mgpu.core.training_events import EventLog, RecordsEvents
 from lightning_mgpu.core.validation import check_bool, check_int, check_number, check_positive, check_str
@@ -164,7 +165,7 @@ class PerformanceMonitor(RecordsEvents, Callback):
         self._timer: StepTimer | None = None
         self._flops: FlopCount | None = None
         self._gather: RankGather | None = None
-        self._gather_trainer: Any = None
+        self._service: StepService | None = None  # the fit's, for the reductions' timing and the shared gather
         self._exporter: PrometheusExporter | None = None
         self._own_exporter = False
         self._watch: StragglerWatch | None = None
@@ -190,10 +191,9 @@ class PerformanceMonitor(RecordsEvents, Callback):
         self._shutdown()
         self._rank, self._world_size = trainer.global_rank, trainer.world_size
         device = trainer.strategy.root_device
-        comm = None
-        if self.comm_timing and hasattr(trainer.strategy, "comm_timer"):
-            comm = CommTimer(clock_for(device))
-            trainer.strategy.comm_timer = comm  # read when the strategy wraps the model, after this hook
+        service = self._service = step_service(trainer)
+        comm = CommTimer(clock_for(device)) if self.comm_timing and service.reads_requests else None
+        service.time_reductions(comm)  # read when the strategy wraps the model, after this hook
         self._timer = StepTimer(clock_for(device), comm)
         self._flops = FlopCount() if self.count_flops else None
         if self._flops is not None and isinstance(trainer.strategy, DataParallelStrategy):
@@ -205,8 +205,7 @@ class PerformanceMonitor(RecordsEvents, Callback):
         self._uuid = (torch_device_uuid(device.index or 0) if device.type == "cuda" else None) or ""
         identity = f"{socket.gethostname()}, {self._uuid or device}"
         # the collectives first, on every rank, before anything that could fail on one rank only
-        self._gather_trainer = trainer
-        self._gather = join_rank_gather(
+        self._gather = service.join_rank_gather(
             trainer, self, self._window_vector, compat.process_group_timeout(trainer.strategy), self._warn
         )
         self._identities = self._gather.gather_objects(identity) if self._gather is not None else [identity]
@@ -217,7 +216,7 @@ class PerformanceMonitor(RecordsEvents, Callback):
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self._timer is None:
             return
-        self._comm_timed = bool(getattr(trainer.strategy, "comm_timed", False))
+        self._comm_timed = self._service is not None and self._service.reductions_timed
         if self._world_size > 1 and not self._comm_timed:
             rank_zero_info(
                 f"{type(self).__name__}: the gradient reduction is not timed under {type(trainer.strategy).__name__}"
@@ -318,7 +317,7 @@ class PerformanceMonitor(RecordsEvents, Callback):
             "_timer",
             "_flops",
             "_gather",
-            "_gather_trainer",
+            "_service",
             "_exporter",
             "_watch",
             "_count_tokens",
@@ -476,12 +475,11 @@ class PerformanceMonitor(RecordsEvents, Callback):
     def _shutdown(self) -> None:
         if self._flops is not None and self._flops.running:
             self._flops.stop()
-        trainer, exporter, own = self._gather_trainer, self._exporter, self._own_exporter
-        if trainer is not None and getattr(trainer.strategy, "comm_timer", None) is not None:
-            trainer.strategy.comm_timer = None
+        service, exporter, own = self._service, self._exporter, self._own_exporter
         self._reset_run_state()
-        if trainer is not None:
-            leave_rank_gather(trainer, self)
+        if service is not None:
+            service.time_reductions(None)
+            service.leave_rank_gather(self)
         if exporter is not None and own:
             self.prometheus_url = None
             try:

@@ -8,9 +8,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_mgpu.core.step_pieces import current_piece_share
+from lightning_mgpu.core.step_service import StepService
 from lightning_mgpu.stability._amp import loss_scale
-from lightning_mgpu.stability._grad_norms import gradient_norms
 from lightning_mgpu.stability.nan_skip_config import NaNSkipConfig
 from lightning_mgpu.stability.skip_tally import SkipTally
 from lightning_mgpu.stability.step_skipper import StepSkipper
@@ -32,6 +31,7 @@ class BadStepTest:
         tally: the counters and spike windows the verdicts go into.
         owner: the callback's class name, for messages.
         device: the fit's device.
+        service: the fit's step service: the gradient norms, and the share of its batch a micro-batch holds.
         distributed: more than one process (another rank's bad loss reaches this one as NaN gradients).
         names: parameter names by ``id``, for the error message.
         optimizer_index: each optimizer's index in ``trainer.optimizers``, by ``id``.
@@ -43,6 +43,7 @@ class BadStepTest:
         tally: SkipTally,
         owner: str,
         device: torch.device,
+        service: StepService,
         distributed: bool,
         names: dict[int, str],
         optimizer_index: dict[int, int],
@@ -51,6 +52,7 @@ class BadStepTest:
         self.tally = tally
         self.owner = owner
         self.device = device
+        self.service = service
         self.distributed = distributed
         self.names = names
         self.optimizer_index = optimizer_index
@@ -117,7 +119,7 @@ class BadStepTest:
         their sum is the batch's loss, which the window compares, as without the split. A piece's own loss would be
         noisier than the batch's the window holds, and look like a spike.
         """
-        share = current_piece_share()
+        share = self.service.piece_share
         value = loss.detach().float().mean()
         scale = loss_scale(trainer)
         if scale is not None:
@@ -152,7 +154,7 @@ class BadStepTest:
         if self.norm_spikes:
             window = self.tally.norm_window(self.optimizer_index.get(id(optimizer), len(self.optimizer_index)))
         if window is not None and params:
-            norm = torch.linalg.vector_norm(gradient_norms(optimizer, params, step).to(bad.device)).view(1)
+            norm = torch.linalg.vector_norm(self.service.gradient_norms(optimizer, params, step).to(bad.device)).view(1)
             self.norm_spike = window.is_spike(norm)[0]
             spiked = spiked | self.norm_spike
         bad = bad | spiked
@@ -172,7 +174,7 @@ class BadStepTest:
         if self.check_grads and params:
             # fp32 2-norms: NaN or Inf when an element is (or, harmlessly, when a norm exceeds ~1e19); the inf-norm
             # kernel is ~35x slower on CPU
-            norms = gradient_norms(optimizer, params, step).to(device)
+            norms = self.service.gradient_norms(optimizer, params, step).to(device)
             bad = ~torch.isfinite(norms.sum())
             ids = tuple(map(id, params))
             if self.last_bad_norms is None or self.last_bad_ids != ids:  # another parameter set: start over

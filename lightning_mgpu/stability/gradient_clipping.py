@@ -21,6 +21,7 @@ from lightning_mgpu.core._logging import (
     show_in_progress_bar,
 )
 from lightning_mgpu.core.sharded_tensors import local_part
+from lightning_mgpu.core.step_service import StepService, step_service
 from lightning_mgpu.core.validation import (
     check_bool,
     check_choice,
@@ -30,8 +31,6 @@ from lightning_mgpu.core.validation import (
     check_sequence,
 )
 from lightning_mgpu.stability._amp import params_to_step
-from lightning_mgpu.stability._grad_norms import clear_gradient_norms, gradient_norms
-from lightning_mgpu.stability._step_verdict import clear_step_verdicts, step_is_bad
 from lightning_mgpu.stability.clip_grad import (
     GradNormStatistics,
     adaptive_clip_grads_,
@@ -177,6 +176,7 @@ class GradientClipping(Callback):
         self._warned_unmatched = False
         self._state_key: str | None = None
         self._bar_norm: Tensor | None = None  # the norm of a logging step, for the bar at the end of its batch
+        self._service: StepService | None = None  # the fit's: the step's norms and NaNSkip's verdict, shared
 
     @property
     @override
@@ -207,6 +207,7 @@ class GradientClipping(Callback):
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._check_sharding(trainer)  # again: a memory plan may have switched the strategy to FSDP since setup
+        self._service = step_service(trainer)
         # after configure_model, which may build layers (the classifier to exclude, say) after setup
         names = [name for name, _ in pl_module.named_parameters()]
         matched = {pattern: [n for n in names if fnmatch.fnmatchcase(n, pattern)] for pattern in self.exclude}
@@ -232,6 +233,8 @@ class GradientClipping(Callback):
         params = params_to_step(trainer, optimizer)
         if not params:
             return
+        if self._service is None:  # added to the trainer after its fit started
+            self._service = step_service(trainer)
         norm, threshold = self._clip(optimizer, params, trainer.global_step)
         if not compat.is_logging_step(trainer):
             return
@@ -255,14 +258,16 @@ class GradientClipping(Callback):
         grads = [local_part(p.grad) for p in params]  # scaled in place: under FSDP, this rank's shards
         # per-gradient norms shared with NaNSkip, read before clipping changes anything (value clipping turns an
         # Inf into clip_value): one pass over the gradients per step, whatever the callbacks' order
-        norms = gradient_norms(optimizer, params, step)
+        service = self._service
+        assert service is not None
+        norms = service.gradient_norms(optimizer, params, step)
         norm = torch.linalg.vector_norm(norms) if self.norm_type == 2.0 else total_grad_norm(grads, self.norm_type)
         if self.mode == "norm":
             scale_to_max_norm_(grads, norm, self.options["max_norm"])
             return norm, None
         if self.mode == "zscore":
             # NaNSkip's verdict, taken now if it has not been (before these gradients are scaled)
-            skipped = step_is_bad(optimizer, params, step)
+            skipped = service.step_is_bad(optimizer, params, step)
             return zscore_clip_grads_(
                 grads,
                 self.statistics,
@@ -280,8 +285,12 @@ class GradientClipping(Callback):
 
     @override
     def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        clear_gradient_norms()  # new gradients: norms cached for an earlier backward are stale
-        clear_step_verdicts()
+        if self._service is not None:
+            self._service.new_gradients()  # norms and verdicts taken for an earlier backward are stale
+
+    @override
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self._service = None
 
     def _rollback_state(self) -> GradNormStatistics:
         """What NaNSkip's rollback saves of this callback (a copy of the z-score statistics)."""

@@ -20,8 +20,6 @@ from lightning_mgpu.core._logging import has_progress_bar
 from lightning_mgpu.core.training_events import EventLog, RecordsEvents
 from lightning_mgpu.long_runs.exact_resume import KeepsRankState
 from lightning_mgpu.stability._amp import params_to_step
-from lightning_mgpu.stability._grad_norms import clear_gradient_norms
-from lightning_mgpu.stability._step_verdict import clear_step_verdicts, step_is_bad
 from lightning_mgpu.stability.bad_steps import NonFiniteStepsError
 from lightning_mgpu.stability.nan_skip_config import CheckTarget, NaNSkipConfig, SpikeAction, SpikeTarget
 from lightning_mgpu.stability.nan_skip_fit import NaNSkipFit
@@ -303,8 +301,7 @@ class NaNSkip(RecordsEvents, KeepsRankState, Callback):
     def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self._fit is None:
             return
-        clear_gradient_norms()  # new gradients: norms cached for an earlier backward (LBFGS, resumes) are stale
-        clear_step_verdicts()
+        self._fit.service.new_gradients()  # norms and verdicts taken for an earlier backward (LBFGS...) are stale
 
     @override
     def on_before_optimizer_step(
@@ -316,7 +313,7 @@ class NaNSkip(RecordsEvents, KeepsRankState, Callback):
         test, skipper, reports = fit.test, fit.skipper, fit.reports
         step = trainer.global_step
         params = params_to_step(trainer, optimizer)
-        bad = step_is_bad(optimizer, params, step)
+        bad = fit.service.step_is_bad(optimizer, params, step)
         if bad is None:  # an optimizer built after fit started
             bad = test.decide(optimizer, params, step)
         tally.count(bad)

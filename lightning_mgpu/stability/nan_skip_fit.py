@@ -5,8 +5,7 @@ from collections.abc import Sequence
 import lightning.pytorch as pl
 from torch.optim import Optimizer
 
-from lightning_mgpu.stability._grad_norms import clear_gradient_norms
-from lightning_mgpu.stability._step_verdict import clear_step_verdicts, register_step_decider, unregister_step_decider
+from lightning_mgpu.core.step_service import StepService, step_service
 from lightning_mgpu.stability.bad_steps import BadStepTest
 from lightning_mgpu.stability.nan_skip_config import NaNSkipConfig
 from lightning_mgpu.stability.skip_reports import LaggedRead, SkipReports
@@ -32,6 +31,7 @@ class NaNSkipFit:
 
     Attributes:
         optimizers: the optimizers of the fit, which it hooks.
+        service: the fit's step service, where :attr:`test` is every optimizer's decider.
         test: the verdict of each optimizer step, and the spike test.
         skipper: how each optimizer's bad steps are skipped.
         reports: the info lines and events.
@@ -49,14 +49,15 @@ class NaNSkipFit:
     ) -> None:
         device = pl_module.device
         tally.to(device)
-        clear_gradient_norms()
-        clear_step_verdicts()
+        self.service: StepService = step_service(trainer)
+        self.service.new_gradients()
         self.optimizers = list(trainer.optimizers)  # the ones it hooks, unhooked at close whatever the trainer holds
         self.test = BadStepTest(
             config,
             tally,
             owner,
             device,
+            self.service,
             distributed=trainer.world_size > 1,
             names={id(p): name for name, p in pl_module.named_parameters()},
             optimizer_index={id(optimizer): i for i, optimizer in enumerate(self.optimizers)},
@@ -69,7 +70,7 @@ class NaNSkipFit:
                 self.rollback = SpikeRollback(owner, config, tally, trainer)
             self.lagged = LaggedRead()
             for optimizer in self.optimizers:
-                register_step_decider(optimizer, self.test.decide)
+                self.service.decide_steps(optimizer, self.test.decide)
         except BaseException:
             self.close()  # the hooks the skipper attached stay on the user's optimizers otherwise
             raise
@@ -82,5 +83,5 @@ class NaNSkipFit:
         self.rollback = None
         optimizers = self.optimizers + [optimizer for optimizer in current if optimizer not in self.optimizers]
         for optimizer in optimizers:
-            unregister_step_decider(optimizer, self.test.decide)
+            self.service.stop_deciding(optimizer, self.test.decide)
         self.skipper.remove(optimizers)

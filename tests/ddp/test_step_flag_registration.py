@@ -50,17 +50,17 @@ def _registrations(rank: int, world_size: int) -> dict:
     for name, (hook, timed, ddp_kwargs, lightning_hook) in CASES.items():
         strategy = DDPStrategy(comm_hook=hook, **({"ddp_comm_hook": _lightning_hook} if lightning_hook else {}))
         strategy._tuning.active_comm_hook = hook
-        strategy.step_flag = StepFlag()
-        strategy.comm_timer = _Timer() if timed else None
+        strategy.step_service.carry_flag(StepFlag())
+        strategy.step_service.time_reductions(_Timer() if timed else None)
         module = torch.nn.Linear(4, 4)
         strategy.model = DistributedDataParallel(module, **ddp_kwargs)
         strategy.register_own_comm_hook()
-        found[name] = (strategy.step_flag_registered, strategy.comm_timed)
+        found[name] = (strategy.step_service.flag_carried, strategy.comm_timed)
         if name == "plain":  # wrapped again: the flag's pre-hook moves, and the end of the fit removes it
             strategy.model = DistributedDataParallel(module)
             strategy.register_own_comm_hook()
             found["pre-hooks after a second wrap"] = len(module._forward_pre_hooks)
-            strategy.step_flag.release()
+            strategy.step_service.flag.release()
             found["pre-hooks after release"] = len(module._forward_pre_hooks)
     return found
 

@@ -114,7 +114,7 @@ class FlagProbe(Callback):
         self.timed: list[bool] = []
 
     def setup(self, trainer, pl_module, stage):
-        trainer.strategy.step_flag = self.flag
+        trainer.strategy.step_service.carry_flag(self.flag)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         for slot, value in flag_contributions(trainer.global_step, trainer.global_rank).items():
@@ -122,7 +122,7 @@ class FlagProbe(Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         self.sums.append(self.flag.reduced.tolist())
-        self.registered.append(trainer.strategy.step_flag_registered)
+        self.registered.append(trainer.strategy.step_service.flag_carried)
         self.timed.append(trainer.strategy.comm_timed)
 
     def on_fit_end(self, trainer, pl_module):

@@ -24,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import DataLoader, Subset
 
 from lightning_mgpu import MultiGPUStrategy, NaNSkip, OOMBackoff
+from lightning_mgpu.core.step_service import step_service
 from tests.helpers.oom_models import IndexedData, IndexedRegression, raise_oom
 from tests.helpers.trainer import QUIET
 
@@ -142,7 +143,7 @@ class SaveRankState(Callback):
             self.profiler = None
         runner = self.backoff._runner if self.backoff is not None else None
         self.whole_batches = runner.whole_batches if runner is not None else 0
-        self.flag_carried = getattr(trainer.strategy, "step_flag_registered", False)  # teardown resets it
+        self.flag_carried = step_service(trainer).flag_carried  # teardown ends the service
 
     def on_exception(self, trainer, pl_module, exception):
         self.exception = {"type": type(exception).__name__, "message": str(exception)}
