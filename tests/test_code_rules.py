@@ -3,6 +3,8 @@
 - No runtime class swap: nothing assigns an object's ``__class__``.
 - No ``__dict__`` surgery: no module writes, clears or shadows through another object's ``__dict__``; an object's own
   ``__getstate__`` and ``__setstate__`` may copy and update their ``self.__dict__``, as pickling does.
+- Callbacks do not write the strategy: nothing assigns an attribute of ``<anything>.strategy`` (a callback asks the
+  fit's step service instead).
 - Small pieces: no source file over 600 lines, no function body (its docstring left out) over 60 lines.
 - No side channels through module state: no module-level container (a dict, list, set or weak map) that the package
   fills or empties at run time, and no object made at import whose attributes it sets. What features share during a
@@ -211,6 +213,41 @@ def test_the_dict_check_tells_pickling_from_surgery():
         "    own = vars(object)\n"
     )
     assert _dict_uses(ast.parse(source)) == {"A.shadow", "A.outer", "A.outer.inner", "A"}
+
+
+def _strategy_writes(tree: ast.Module) -> list[int]:
+    lines = []
+    for node in ast.walk(tree):
+        for target in _targets(node):
+            owner = target.value if isinstance(target, ast.Attribute) else None
+            if isinstance(owner, ast.Attribute) and owner.attr == "strategy":
+                lines.append(node.lineno)
+        if isinstance(node, ast.Call) and _names_attribute_of_strategy(node):
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def _names_attribute_of_strategy(node: ast.Call) -> bool:
+    # setattr(trainer.strategy, "step_flag", flag)
+    function, args = node.func, node.args
+    named = isinstance(function, ast.Name) and function.id in ("setattr", "delattr")
+    return named and bool(args) and isinstance(args[0], ast.Attribute) and args[0].attr == "strategy"
+
+
+def test_nothing_writes_an_attribute_of_the_strategy():
+    writes = {f"{path}:{line}" for path, tree, _ in _sources() for line in _strategy_writes(tree)}
+    assert writes == set()
+
+
+def test_the_strategy_write_check_finds_one():
+    source = (
+        "def setup(trainer, flag):\n"
+        "    trainer.strategy.step_flag = flag\n"
+        "    setattr(trainer.strategy, 'comm_timer', None)\n"
+        "    trainer.strategy.bucket_tuning.reason = 'x'\n"  # an attribute of the strategy's object, not the strategy's
+        "    timer = trainer.strategy.comm_timer\n"
+    )
+    assert _strategy_writes(ast.parse(source)) == [2, 3]
 
 
 def test_no_new_module_state_and_the_list_of_what_is_left_is_exact():

@@ -9,6 +9,7 @@ from typing import ClassVar
 
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -19,6 +20,13 @@ from lightning_mgpu import MultiGPUStrategy, NaNSkip, OOMBackoff, OOMRecoveryErr
 from lightning_mgpu.memory import oom_whole_batch
 from tests.helpers.oom_models import IndexedData, IndexedRegression
 from tests.helpers.trainer import QUIET, RecordingLogger
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind():
+    yield
+    if dist.is_initialized():  # a one-process DDP fit leaves Lightning's group: later tests expect none
+        dist.destroy_process_group()
 
 
 def fit(
