@@ -271,29 +271,3 @@ def test_the_units_of_the_models_people_bring_are_their_layers(name, units, tied
     names = {id(module): name for name, module in model.named_modules()}
     assert [names[id(unit)] for unit in sharding_units(model)] == units
     assert [param.names for param in tied_parameters(model)] == tied
-
-
-class _Scaled(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
-        return torch.tanh(self.linear(x)) * scale
-
-
-def test_a_checkpointed_block_keeps_its_class_forward_and_names_and_takes_keyword_arguments():
-    def grads(checkpointed: bool) -> tuple[dict, nn.Sequential]:
-        torch.manual_seed(0)
-        model = nn.Sequential(_Scaled(), _Scaled())
-        if checkpointed:
-            checkpoint_activations(list(model))
-        x = torch.randn(3, 4)
-        model[1](model[0](x, scale=2.0), scale=0.5).sum().backward()
-        return {name: param.grad.clone() for name, param in model.named_parameters()}, model
-
-    plain, _ = grads(False)
-    recomputed, model = grads(True)
-    assert recomputed.keys() == plain.keys()
-    assert all(torch.equal(plain[name], recomputed[name]) for name in plain)
-    assert all(type(block) is _Scaled and "forward" not in vars(block) for block in model)

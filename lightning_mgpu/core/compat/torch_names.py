@@ -1,9 +1,9 @@
-"""Private torch and torchmetrics names: BatchNorm's base, foreach kernels, the grad scaler, metric progress, hooks."""
+"""Private torch and torchmetrics names: BatchNorm's base, foreach kernels, the grad scaler, metric progress."""
 
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.optim import Optimizer
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
@@ -89,21 +89,3 @@ def metric_progress(metric: Metric) -> tuple[int, Any]:
 def set_metric_progress(metric: Metric, progress: tuple[int, Any]) -> None:
     """Put back what :func:`metric_progress` returned."""
     metric._update_count, metric._computed = progress
-
-
-def checkpoint_module_activations(module: nn.Module, enabled: bool = True) -> None:
-    """Recompute ``module``'s activations in the backward instead of keeping them, or stop doing so.
-
-    torch's composable activation checkpointing (``torch.distributed._composable.checkpoint``, torch 2.13): a forward
-    pre-hook and a forward hook around each call of the module, with torch's non-reentrant checkpoint and the random
-    state of the forward replayed. The module's class, methods, parameter names and state-dict keys stay as they are,
-    and FSDP2's ``fully_shard`` expects hook-based checkpointing. torch applies it once to a module; ``enabled=False``
-    turns its hooks off (they stay registered, and do nothing), and ``enabled=True`` on again.
-    """
-    from torch.distributed._composable import checkpoint
-
-    state = checkpoint.state(module)
-    if state is not None:
-        state.enable_hook = enabled
-    elif enabled:
-        checkpoint(module)
