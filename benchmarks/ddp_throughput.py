@@ -169,7 +169,13 @@ def step_flag_carrier():
 
     class StepFlagCarrier(pl.Callback):
         def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-            trainer.strategy.step_flag = StepFlag(slots=1, in_place=True)
+            flag = StepFlag(slots=1, in_place=True)
+            try:
+                from lightning_mgpu.core.step_service import step_service
+            except ImportError:  # an install from before the step service (compare_installs.py runs one)
+                trainer.strategy.step_flag = flag
+            else:
+                step_service(trainer).carry_flag(flag)
 
     return StepFlagCarrier()
 

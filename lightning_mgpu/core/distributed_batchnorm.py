@@ -140,6 +140,11 @@ class DistributedBatchNorm(compat.BatchNormLayer):
         self.process_group = process_group
         self.ledger = CollectiveLedger()  # shared with the model's other layers by convert_sync_batchnorm
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if "ledger" not in state:  # a layer pickled before layers had a ledger
+            self.ledger = CollectiveLedger()
+
     @override
     def check_input_dim(self, input: Tensor) -> None:
         if input.dim() < 2:

@@ -26,10 +26,9 @@ Step outputs (:func:`merge_outputs`):
   weighted mean (a float), and any other differing values a list of the pieces' values, in piece order.
 """
 
-import contextlib
 import inspect
 import numbers
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any

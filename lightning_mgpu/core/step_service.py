@@ -237,15 +237,28 @@ class OwnStepService(HoldsStepService):
             service = self._service_of_fit = StepService(self.reads_step_requests)
         return service
 
+    @property
+    def step_service_started(self) -> bool:
+        """Whether this fit's service exists (reading :attr:`step_service` makes one)."""
+        return self._service_of_fit is not None
+
     def end_step_service(self) -> None:
         """End this fit's service (a carried flag is released): the next fit gets a new one."""
         service, self._service_of_fit = self._service_of_fit, None
         if service is not None:
             service.drop_flag()
 
-    def continue_step_service(self, service: StepService) -> None:
-        """Serve ``service`` from now on: for a strategy that takes over a fit another one started."""
-        self._service_of_fit = service
+    def hand_step_service_to(self, other: "OwnStepService") -> StepService:
+        """Let ``other`` serve this fit's service from now on (a strategy taking over the fit); this one forgets it."""
+        service = self.step_service
+        other._service_of_fit, self._service_of_fit = service, None
+        return service
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a fit's service holds weak maps and process groups: a strategy pickled into spawned workers goes without it
+        state = dict(super().__getstate__() or {})  # type: ignore[misc]
+        state.pop("_service_of_fit", None)
+        return state
 
 
 # a strategy that is not the pack's has nowhere to hold a service: one per such strategy object, held weakly

@@ -301,7 +301,7 @@ class DDPStrategy(OwnStepService, HangWatchHooks, SigtermAgreementHooks, ExactRe
         Not with PowerSGD (its buckets all complete with the last one, so per-bucket spans would not say when each
         was reduced), a ``ddp_comm_hook`` of Lightning's, or a hook DDP registered itself (``mixed_precision``).
         """
-        return self.step_service.reductions_timed
+        return self.step_service_started and self.step_service.reductions_timed
 
     @override
     def register_own_comm_hook(self) -> bool:

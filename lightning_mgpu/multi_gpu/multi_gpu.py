@@ -270,11 +270,10 @@ class MultiGPUStrategy(DDPStrategy):
         fsdp.plan = plan
         # the fit's step service goes on with the FSDP strategy; what callbacks asked of DDP's reduction in their setup
         # hooks does not apply to it
-        service = self.step_service
+        service = self.hand_step_service_to(fsdp)
         service.drop_flag()
         service.time_reductions(None)
         service.reads_requests = False
-        fsdp.continue_step_service(service)
         compat.replace_trainer_strategy(trainer, fsdp)
         fsdp.setup_environment()
         fsdp.setup(trainer)
