@@ -99,7 +99,9 @@ def capture_logs(module: "pl.LightningModule", into: list[LogCall], samples: int
     """Record the module's ``self.log`` (and so ``self.log_dict``) calls into ``into`` instead of logging them.
 
     A context manager: in this thread, for this module only, until the block ends (an exception included); see
-    :class:`~lightning_mgpu.core.compat.LogCapture`. The module and its class are untouched.
+    :class:`~lightning_mgpu.core.compat.LogCapture`. The module and its class are untouched. A call made in another
+    thread meanwhile (a thread the step starts, or a tensor hook that autograd runs on its CUDA worker thread) is
+    logged at once, as Lightning would; a module's own override of ``log`` runs for each piece.
 
     Args:
         module: the module, or a replica of it, whose calls are held back.

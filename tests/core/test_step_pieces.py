@@ -143,6 +143,9 @@ def test_capture_records_instead_of_logging_and_unshadows_after_an_error():
     assert "log" not in model.__dict__
     assert model.log.__func__ is LightningModule.log
     assert calls == [LogCall({"name": "loss", "value": 2.0, "prog_bar": True}, samples=5)]
+    with pytest.warns(UserWarning, match="reference is not registered"):
+        model.log("after", 1.0)  # the capture ended with the error: Lightning's own log runs (and, trainerless, warns)
+    assert len(calls) == 1
 
 
 def test_a_capture_holds_back_one_modules_calls_in_one_thread_and_nests():

@@ -291,6 +291,9 @@ def _announced_run_end(on_run_end: Callable[[Any], None]) -> Callable[[Any], Non
     return announce_then_end
 
 
+_SIGTERM_PATCHES = (("sigterm_batch_check", _agreed_batch_check), ("leaving_training", _announced_run_end))
+
+
 def replace_sigterm_handling(
     trainer: "pl.Trainer",
     at_batch_boundary: Callable[[], None],
@@ -309,8 +312,10 @@ def replace_sigterm_handling(
     :func:`restore_sigterm_handling` undoes it.
     """
     restore_sigterm_handling(trainer)
-    install_patch("sigterm_batch_check", _agreed_batch_check)
-    install_patch("leaving_training", _announced_run_end)
+    installed = [install_patch(name, wrap) for name, wrap in _SIGTERM_PATCHES]
+    if not all(installed):  # the probe said they could be: a half-installed agreement would hang at the end of the fit
+        missing = [name for (name, _), done in zip(_SIGTERM_PATCHES, installed, strict=True) if not done]
+        raise RuntimeError(f"lightning_mgpu could not install the patches {missing} of this Lightning")
     trainer._signal_connector = SigtermSignalConnector(
         trainer, at_batch_boundary, on_sigterm, on_requeue_signal, before_leaving_training
     )
