@@ -5,7 +5,7 @@
   ``print(`` are what it must print; ``...`` stands for anything.
 - Every command of a ```` ```bash ```` block runs with bash from the repository root, and the comment lines right
   after a command are what it must print. Three exceptions: ``pip install`` is never run, it is checked against
-  what ``.ci/run`` installs; ``python -m pytest`` is collected, not run (``--collect-only -q`` appended: the suite
+  what ``.ci/run`` installs; ``python -m pytest`` is collected, not run (``-n 0 --collect-only -q`` appended: the suite
   cannot run itself); a command that trains for long gets the overrides of ``SHORT_OVERRIDES`` appended (the test
   prints them).
 - A plain block preceded by ``<!-- readme-test: output of `COMMAND` -->`` is the output of that bash command:
@@ -358,7 +358,7 @@ def test_bash_block_commands_run_and_print_what_the_readme_says(block):
         for part in runnable(command):
             shown = part
             if re.match(r"python -m pytest\b", part):
-                part += " --collect-only -q"  # the suite cannot run itself: check that the selection is valid
+                part += " -n 0 --collect-only -q"  # the suite cannot run itself: check that the selection is valid
             for prefix, override in SHORT_OVERRIDES.items():
                 if part.startswith(prefix) and "--print_config" not in part:
                     part = f"{part} {override}"

@@ -82,7 +82,8 @@ def _gpu_tests(gpus: int) -> dict[str, Any]:
         return {"check": "gpu-tests", "result": "SKIP", "detail": "no GPU"}
     if not tests.is_dir():
         return {"check": "gpu-tests", "result": "SKIP", "detail": "no tests/ folder: run from a checkout of the repo"}
-    command = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", str(tests)]
+    # -n 0: one test at a time, whatever the repository's pytest options say (tests that measure GPU memory share it)
+    command = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "-n", "0", str(tests)]
     completed = subprocess.run(command, cwd=tests.parent, capture_output=True, text=True, check=False)
     summary = (completed.stdout.strip().splitlines() or ["no output"])[-1]
     result = "PASS" if completed.returncode == 0 else "FAIL"

@@ -9,25 +9,27 @@ from torch import nn
 
 from lightning_mgpu import DistributedBatchNorm, MultiGPUStrategy
 from tests.helpers.models import BatchNormClassifier, RankStateDump, finished_fits_survive_exit_aborts, load_rank_dumps
-from tests.helpers.trainer import QUIET
+from tests.helpers.trainer import QUIET, fit_apart, in_process_start
 
 pytestmark = pytest.mark.distributed
 
 
-def fit_two_processes(model, tmp_path, steps, trainer_sync_batchnorm=False, **strategy_kwargs):
-    strategy = MultiGPUStrategy(mode="ddp_spawn", **strategy_kwargs)
-    trainer = Trainer(
+def fit_two_processes(model, tmp_path, steps, trainer_sync_batchnorm=False, spawn=False, **strategy_kwargs):
+    trainer_kwargs = dict(
         accelerator="cpu",
         devices=2,
-        strategy=strategy,
+        strategy=MultiGPUStrategy(mode="ddp_spawn" if spawn else f"ddp_{in_process_start()}", **strategy_kwargs),
         max_steps=steps,
         sync_batchnorm=trainer_sync_batchnorm,
         use_distributed_sampler=False,  # each rank reads its own slice, see BatchNormClassifier
         callbacks=[RankStateDump(tmp_path)],
         **QUIET,
     )
-    with finished_fits_survive_exit_aborts(tmp_path):
-        trainer.fit(model)
+    if spawn:
+        with finished_fits_survive_exit_aborts(tmp_path):
+            Trainer(**trainer_kwargs).fit(model)
+    else:
+        fit_apart(trainer_kwargs, model)
     return load_rank_dumps(tmp_path)
 
 
@@ -52,7 +54,8 @@ def test_sync_batchnorm_auto_matches_one_process_on_the_global_batch(tmp_path):
     model = BatchNormClassifier(per_rank_batch=(8, 8), steps=3)
     ref_grads, ref_mean, ref_var = reference_first_step(model, (8, 8))
 
-    dumps = fit_two_processes(model, tmp_path, steps=3)  # sync_batchnorm="auto" is the default
+    # sync_batchnorm="auto" is the default; spawned: the one fit here whose trainer and model are pickled to workers
+    dumps = fit_two_processes(model, tmp_path, steps=3, spawn=True)
 
     assert [d["rank"] for d in dumps] == [0, 1]
     assert all(d["choice"].mode == "ddp_spawn" for d in dumps)

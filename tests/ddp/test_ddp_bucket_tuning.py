@@ -9,7 +9,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_mgpu import DDPStrategy, MultiGPUStrategy, OOMBackoff
 from tests.helpers.models import finished_fits_survive_exit_aborts, load_rank_dumps
-from tests.helpers.trainer import QUIET
+from tests.helpers.trainer import QUIET, fit_apart, in_process_start
 
 pytestmark = pytest.mark.distributed
 
@@ -35,8 +35,8 @@ class DumpTuning(Callback):
 
 def test_a_retuned_wrap_keeps_the_users_init_sync(tmp_path):
     # the trial wraps are built with init_sync=False; the user's own value must be what later wraps get again
-    strategy = DDPStrategy(comm_hook="auto", bucket_tuning_steps=10, init_sync=False, start_method="spawn")
-    trainer = Trainer(
+    strategy = DDPStrategy(comm_hook="auto", bucket_tuning_steps=10, init_sync=False, start_method=in_process_start())
+    trainer_kwargs = dict(
         accelerator="cpu",
         devices=2,
         strategy=strategy,
@@ -47,7 +47,7 @@ def test_a_retuned_wrap_keeps_the_users_init_sync(tmp_path):
         **QUIET,
     )
     with finished_fits_survive_exit_aborts(tmp_path):
-        trainer.fit(SeededBoringModel())
+        fit_apart(trainer_kwargs, SeededBoringModel())
     for dump in load_rank_dumps(tmp_path):
         assert dump["reason"] == "tuned"
         assert dump["trials"] == ["default", "default+fp16"]  # DDP was re-wrapped for the hook's trial

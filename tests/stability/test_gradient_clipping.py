@@ -8,7 +8,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_mgpu import GradientClipping
-from tests.helpers.trainer import QUIET
+from tests.helpers.trainer import QUIET, fit_apart, in_process_start
 
 TRAINER = {"accelerator": "cpu", "logger": False, "enable_progress_bar": False, "enable_model_summary": False}
 
@@ -158,16 +158,16 @@ def test_two_processes_clip_alike(tmp_path, mode_kwargs):
     from lightning_mgpu import MultiGPUStrategy
     from tests.helpers.models import BatchNormClassifier, RankStateDump, load_rank_dumps
 
-    trainer = Trainer(
+    trainer_kwargs = dict(
         accelerator="cpu",
         devices=2,
-        strategy=MultiGPUStrategy(mode="ddp_spawn"),
+        strategy=MultiGPUStrategy(mode=f"ddp_{in_process_start()}"),
         max_steps=4,
         use_distributed_sampler=False,
         callbacks=[GradientClipping(**mode_kwargs), RankStateDump(tmp_path)],
         **QUIET,
     )
-    trainer.fit(BatchNormClassifier(per_rank_batch=(4, 4), steps=4, lr=1.0))
+    fit_apart(trainer_kwargs, BatchNormClassifier(per_rank_batch=(4, 4), steps=4, lr=1.0))
     dumps = load_rank_dumps(tmp_path)
     for name, value in dumps[0]["params"].items():
         assert torch.equal(value, dumps[1]["params"][name]), name

@@ -12,7 +12,7 @@ from lightning_mgpu import GradientClipping, MultiGPUStrategy, NaNSkip, NonFinit
 from lightning_mgpu.stability.clip_grad import GradNormStatistics
 from tests.helpers.models import BatchNormClassifier, RankStateDump, finished_fits_survive_exit_aborts, load_rank_dumps
 from tests.helpers.processes import run_script
-from tests.helpers.trainer import QUIET, RecordingLogger
+from tests.helpers.trainer import QUIET, RecordingLogger, fit_apart, in_process_start
 
 BAD_STEP = 2
 STEPS = 5
@@ -173,17 +173,17 @@ def test_bad_input_is_named_at_construction(kwargs, error, pattern):
 
 
 def fit_two(model, tmp_path, callbacks=(), steps=STEPS, ckpt_path=None, **kwargs):
-    trainer = Trainer(
+    trainer_kwargs = dict(
         accelerator="cpu",
         devices=2,
-        strategy=MultiGPUStrategy(mode="ddp_spawn"),
+        strategy=MultiGPUStrategy(mode=f"ddp_{in_process_start()}"),
         max_steps=steps,
         use_distributed_sampler=False,
         callbacks=[*callbacks, RankStateDump(tmp_path)],
         **{**QUIET, **kwargs},
     )
     with finished_fits_survive_exit_aborts(tmp_path):
-        trainer.fit(model, ckpt_path=ckpt_path)
+        fit_apart(trainer_kwargs, model, ckpt_path=ckpt_path)
     return load_rank_dumps(tmp_path)
 
 
