@@ -41,7 +41,7 @@ from lightning_mgpu.core.compat.loops import (
     slurm_checkpoint_path,
     training_logging_check,
 )
-from lightning_mgpu.core.compat.patches import PATCHES, installed_patches, patched_class, remove_patch
+from lightning_mgpu.core.compat.patches import PATCHES, PER_LOOP_PATCHES, installed_patches, patched_class, remove_patch
 from lightning_mgpu.core.compat.step_dispatch import (
     EVAL_STEPS,
     STEP_DISPATCH_PATCH,
@@ -116,6 +116,7 @@ __all__ = [
     "EVAL_STEPS",
     "LIGHTNING_INTERNALS",
     "PATCHES",
+    "PER_LOOP_PATCHES",
     "STEP_DISPATCH_PATCH",
     "TESTED_LIGHTNING_RANGE",
     "TESTED_TORCH",

@@ -1,9 +1,13 @@
-"""The patches of Lightning, all named here: each wraps one method of a Lightning class, class-wide, once.
+"""The patches of Lightning, all named here: each wraps a Lightning class's method class-wide, or a module's function.
 
-Each is probed (a missing class or method leaves Lightning as it is and the installer returns ``False``, for its
-caller's fallback) and reversible (:func:`remove_patch`). A wrapper holds no state of its own: it asks an object of
-the pack that the trainer or the call holds, and otherwise runs Lightning's method unchanged. Our wrapper carries
-(name, itself): a wrapper someone else puts around ours copies that attribute, but not the identity.
+Each is probed (a missing class, module or attribute leaves Lightning as it is and the installer returns ``False``, for
+its caller's fallback) and reversible (:func:`remove_patch`). A class-wide wrapper holds no state of its own: it asks
+an object of the pack that the trainer or the call holds, and otherwise runs Lightning's method unchanged. Our wrapper
+carries (name, itself): a wrapper someone else puts around ours copies that attribute, but not the identity.
+
+All but one are put in place when the pack first needs them and stay. ``eval_step_routing`` (``step_dispatch.py``)
+wraps a function Lightning calls for every step, the training step too, so it is there only while an evaluation loop
+routes its steps, and one wrapper serves one trainer.
 """
 
 import functools
@@ -11,8 +15,9 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-# name: (module, class, method); every method was read in the 2.5.2 source, and CI runs it on 2.5.6 and 2.6.6
-PATCHES: dict[str, tuple[str, str, str]] = {
+# name: (module, class or None for a function of the module, attribute); every one was read in the 2.5.2 source, and
+# CI runs it on 2.5.6 and 2.6.6
+PATCHES: dict[str, tuple[str, str | None, str]] = {
     # names the closest strategy for an unknown strategy flag
     "strategy_flag_hint": (
         "lightning.pytorch.trainer.connectors.accelerator_connector",
@@ -35,33 +40,53 @@ PATCHES: dict[str, tuple[str, str, str]] = {
     "leaving_training": ("lightning.pytorch.loops.fit_loop", "_FitLoop", "on_run_end"),
     # ``self.log`` calls held back inside LogCapture
     "log_capture": ("lightning.pytorch.core.module", "LightningModule", "log"),
+    # one trainer's evaluation steps sent to OOMBackoff while its evaluation loop runs (step_dispatch.py)
+    "eval_step_routing": ("lightning.pytorch.trainer.call", None, "_call_strategy_hook"),
 }
+# put in place per evaluation loop, not when the pack first needs them
+PER_LOOP_PATCHES = frozenset({"eval_step_routing"})
 
 
 def patched_class(name: str) -> Any:
-    """The Lightning class patch ``name`` wraps a method of, or ``None`` where this Lightning lacks it."""
+    """The Lightning class (or module) whose attribute patch ``name`` wraps; ``None`` where this Lightning lacks it."""
     module, cls, _ = PATCHES[name]
     try:
-        return getattr(importlib.import_module(module), cls, None)
+        owner = importlib.import_module(module)
     except ImportError:
         return None
+    return owner if cls is None else getattr(owner, cls, None)
 
 
-def _method(name: str) -> Any:
-    return getattr(patched_class(name), PATCHES[name][2], None)
+def mark(wrapper: Any, name: str) -> None:
+    """Mark ``wrapper`` as the pack's patch ``name`` (by identity: a copy of the attribute is not ours)."""
+    wrapper.lightning_mgpu_patch = (name, wrapper)
 
 
-def _is_ours(function: Any, name: str) -> bool:
+def is_ours(function: Any, name: str) -> bool:
+    """Whether ``function`` is the pack's wrapper for patch ``name`` itself (not another wrapper around it)."""
     return getattr(function, "lightning_mgpu_patch", None) == (name, function)
 
 
-def _in_chain(method: Any, name: str) -> bool:
-    # ours, or under the wrappers others put around it since
+def wrappers_in_chain(method: Any, name: str) -> int:
+    """How many of the pack's wrappers for patch ``name`` are in ``method``'s chain of ``__wrapped__``."""
+    count = 0
     while method is not None:
-        if _is_ours(method, name):
-            return True
+        count += is_ours(method, name)
         method = getattr(method, "__wrapped__", None)
-    return False
+    return count
+
+
+def current(name: str) -> Any:
+    """What patch ``name``'s class or module holds now, or ``None`` where this Lightning lacks it.
+
+    That is Lightning's own, ours, or someone's wrapper around either.
+    """
+    return getattr(patched_class(name), PATCHES[name][2], None)
+
+
+def replace(name: str, function: Any) -> None:
+    """Give patch ``name``'s class or module ``function`` in place of what it holds now."""
+    setattr(patched_class(name), PATCHES[name][2], function)
 
 
 def install_patch(name: str, make_wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
@@ -70,13 +95,13 @@ def install_patch(name: str, make_wrapper: Callable[[Callable[..., Any]], Callab
     Returns:
         Whether the patch is in place (``False``: this Lightning lacks the class or the method).
     """
-    method = _method(name)
+    method = current(name)
     if method is None:
         return False
-    if not _in_chain(method, name):
+    if not wrappers_in_chain(method, name):
         wrapper = functools.wraps(method)(make_wrapper(method))
-        wrapper.lightning_mgpu_patch = (name, wrapper)  # type: ignore[attr-defined]
-        setattr(patched_class(name), PATCHES[name][2], wrapper)
+        mark(wrapper, name)
+        replace(name, wrapper)
     return True
 
 
@@ -86,13 +111,13 @@ def remove_patch(name: str) -> bool:
     Only an outermost wrapper is removed: one that someone else wrapped since stays (``False``), so that their
     wrapper is not lost.
     """
-    method = _method(name)
-    if method is None or not _is_ours(method, name):
+    method = current(name)
+    if method is None or not is_ours(method, name):
         return False
-    setattr(patched_class(name), PATCHES[name][2], method.__wrapped__)
+    replace(name, method.__wrapped__)
     return True
 
 
 def installed_patches() -> list[str]:
     """The names of :data:`PATCHES` in place now, under other wrappers or not."""
-    return [name for name in PATCHES if _in_chain(_method(name), name)]
+    return [name for name in PATCHES if wrappers_in_chain(current(name), name)]

@@ -1,5 +1,7 @@
 """Lightning's dispatch of a step to the strategy, and the pack's one reversible hook on it (2.5.2-2.6.6).
 
+The hook is named ``eval_step_routing`` in :data:`~lightning_mgpu.core.compat.patches.PATCHES`, with the others.
+
 Lightning's evaluation and prediction loops run each step as ``call._call_strategy_hook(trainer, "validation_step",
 batch, ...)``: the function looks the method up on ``trainer.strategy`` and calls it under the profiler, with nothing
 around the call that could run it again. OOMBackoff runs an evaluation step again, in smaller pieces, after an
@@ -15,32 +17,24 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.trainer import call as trainer_call
 
-# the patch's name, carried by the wrapper with its identity (as the connector patches do): a wrapper someone else
-# puts around ours copies that attribute, but not the identity
+from lightning_mgpu.core.compat import patches
+
+# its entry in compat.patches.PATCHES (lightning.pytorch.trainer.call._call_strategy_hook), where every patch is named
 STEP_DISPATCH_PATCH = "eval_step_routing"
 EVAL_STEPS = frozenset({"validation_step", "test_step", "predict_step"})
 
 RunStep = Callable[..., Any]
 
 
-def _is_ours(function: Any) -> bool:
-    return getattr(function, "lightning_mgpu_patch", None) == (STEP_DISPATCH_PATCH, function)
-
-
 def step_dispatch_present(trainer: "pl.Trainer | None" = None) -> bool:
     """Whether this Lightning dispatches its steps through ``trainer.call._call_strategy_hook`` (the probe)."""
-    return callable(getattr(trainer_call, "_call_strategy_hook", None))
+    return callable(patches.current(STEP_DISPATCH_PATCH))
 
 
 def eval_step_routes() -> int:
     """How many of the pack's routings wrap Lightning's dispatcher now, active or left inside a newer wrapper."""
-    count, function = 0, getattr(trainer_call, "_call_strategy_hook", None)
-    while function is not None:
-        count += _is_ours(function)
-        function = getattr(function, "__wrapped__", None)
-    return count
+    return patches.wrappers_in_chain(patches.current(STEP_DISPATCH_PATCH), STEP_DISPATCH_PATCH)
 
 
 def route_eval_steps(trainer: "pl.Trainer", run_step: RunStep) -> Callable[[], None]:
@@ -55,7 +49,7 @@ def route_eval_steps(trainer: "pl.Trainer", run_step: RunStep) -> Callable[[], N
     Returns the undo: it gives Lightning its function back, or, where someone wrapped ours since, leaves ours inside
     their wrapper passing every call through (removed as soon as it is outermost again).
     """
-    original = trainer_call._call_strategy_hook
+    original = patches.current(STEP_DISPATCH_PATCH)
 
     def dispatch(target: "pl.Trainer", hook_name: str, *args: Any, **kwargs: Any) -> Any:
         if not (dispatch.lightning_mgpu_active and target is trainer and hook_name in EVAL_STEPS):
@@ -68,15 +62,15 @@ def route_eval_steps(trainer: "pl.Trainer", run_step: RunStep) -> Callable[[], N
         return output
 
     functools.update_wrapper(dispatch, original)
-    dispatch.lightning_mgpu_patch = (STEP_DISPATCH_PATCH, dispatch)  # type: ignore[attr-defined]
+    patches.mark(dispatch, STEP_DISPATCH_PATCH)
     dispatch.lightning_mgpu_active = True  # type: ignore[attr-defined]
-    trainer_call._call_strategy_hook = dispatch
+    patches.replace(STEP_DISPATCH_PATCH, dispatch)
 
     def undo() -> None:
         dispatch.lightning_mgpu_active = False  # type: ignore[attr-defined]
-        current = trainer_call._call_strategy_hook
-        while _is_ours(current) and not current.lightning_mgpu_active:  # ours, outermost, and done with
+        current = patches.current(STEP_DISPATCH_PATCH)
+        while patches.is_ours(current, STEP_DISPATCH_PATCH) and not current.lightning_mgpu_active:  # outermost, done
             current = current.__wrapped__
-        trainer_call._call_strategy_hook = current
+        patches.replace(STEP_DISPATCH_PATCH, current)
 
     return undo
