@@ -18,7 +18,8 @@ alone, and ``mgpu_all`` with all of them. ``benchmarks/step_cost_budgets.json`` 
     python benchmarks/step_cost.py --wall-rounds 3        # and each configuration's wall-clock ratio to mgpu
     python benchmarks/step_cost.py --callgrind 3          # and machine instructions per step (valgrind), 3 runs
     python benchmarks/step_cost.py --write-baseline       # record the profile (and versions) the test compares with
-    python benchmarks/step_cost.py --markdown docs/performance.md   # the table into the docs' page
+    python benchmarks/step_cost.py --write-baseline --wall-rounds 3 --markdown docs/performance.md
+                                           # the table into the docs' page, from the run that records the baseline
 
 ``--callgrind`` runs rank 0 of ``stock_ddp`` and ``mgpu`` under ``valgrind --tool=callgrind`` (Debian's
 ``valgrind``), instrumenting only the traced window's steps (``callgrind_control`` turns it on and off, so the window
@@ -421,7 +422,7 @@ def main() -> None:
             for config in instructions:
                 instructions[config].append(callgrind_instructions(config))
                 print(f"callgrind {config}: {instructions[config][-1]:,.0f} instructions per step", flush=True)
-    shown = table(counts, walls, instructions)
+    shown = table(rounded(counts), walls, instructions)  # the figures as the baseline keeps them
     print(shown)
     for line in over_budget(counts) or ["every configuration is within its budget"]:
         print(line)

@@ -84,3 +84,21 @@ def test_no_configuration_goes_over_its_budget(counts):
             details += [line, "  grew most against the baseline profile:"]
             details += [f"    {row}" for row in step_cost.grown_functions(counts, config, baseline()["configs"])]
         pytest.fail("\n".join(details), pytrace=False)
+
+
+def test_the_docs_quote_the_recorded_baseline():
+    # the costs the docs quote come from one place: the table in docs/performance.md shows the baseline's figures
+    page = (Path(REPO) / "docs" / "performance.md").read_text()
+    shown = page.split("<!-- step-cost-table: start -->", 1)[1].split("<!-- step-cost-table: end -->", 1)[0]
+    quoted = {}
+    for row in shown.strip().splitlines()[2:]:
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        quoted[cells[0].strip("`")] = (cells[1], cells[3])
+    recorded = {
+        config: (f"{entry['calls']:,.1f}", f"{entry['instructions']:,.1f}")
+        for config, entry in baseline()["configs"].items()
+    }
+    assert quoted == recorded, (
+        "docs/performance.md differs from benchmarks/step_cost_baseline.json: record both from one run with "
+        "`python benchmarks/step_cost.py --write-baseline --wall-rounds 3 --markdown docs/performance.md`"
+    )
