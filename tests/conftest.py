@@ -14,11 +14,18 @@ def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(1)
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's: without it installed, this is never called
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto``: 2 workers up to 4 cores, then one per 2 cores, at most 8. Most tests start 2 processes, and a
-    third of the suite's time is spent waiting (for a hang to be named, a timeout, an injected sleep): on 2 cores, two
-    files at a time keep both busy (the main suite: 20:56 -> 14:47, 92% of both cores busy instead of 30-85%)."""
-    cores = os.cpu_count() or 1
+    """``-n auto``: 2 workers up to 4 cores, then one per 2 cores, at most 8; one where a CUDA GPU is present.
+
+    Most tests start 2 processes, and a third of the suite's time is spent waiting (for a hang to be named, a timeout,
+    an injected sleep): on 2 cores, two files at a time keep both busy (the main suite: 20:56 -> 14:47, 92% of both
+    cores busy instead of 30-85%). GPU tests measure and share the devices' memory, so with a GPU the files run one at
+    a time, as before.
+    """
+    if torch.cuda.is_available():
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return 2 if cores <= 4 else min(cores // 2, 8)
 
 

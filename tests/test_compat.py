@@ -184,22 +184,24 @@ def test_every_patch_of_lightning_is_named_in_one_place_installed_once_and_rever
     with compat.LogCapture(BoringModel(), _noop):
         pass
     undo_routing = compat.route_eval_steps(trainer, _noop)  # the one patch put in place per evaluation loop
-    assert compat.installed_patches() == list(compat.PATCHES)
-    owners = {name: compat.patched_class(name) for name in compat.PATCHES}
-    patched = {name: getattr(owners[name], method) for name, (_, _, method) in compat.PATCHES.items()}
     try:
-        for name, (_, _, method) in compat.PATCHES.items():
-            assert compat.remove_patch(name)
-            assert getattr(owners[name], method) is patched[name].__wrapped__  # Lightning's own
-            assert not compat.remove_patch(name)
-        assert compat.installed_patches() == []
+        assert compat.installed_patches() == list(compat.PATCHES)
+        owners = {name: compat.patched_class(name) for name in compat.PATCHES}
+        patched = {name: getattr(owners[name], method) for name, (_, _, method) in compat.PATCHES.items()}
+        try:
+            for name, (_, _, method) in compat.PATCHES.items():
+                assert compat.remove_patch(name)
+                assert getattr(owners[name], method) is patched[name].__wrapped__  # Lightning's own
+                assert not compat.remove_patch(name)
+            assert compat.installed_patches() == []
+        finally:
+            for name, (_, _, method) in compat.PATCHES.items():
+                setattr(owners[name], method, patched[name])
+        compat.replace_sigterm_handling(trainer, _noop, _noop, _noop, _noop)  # installs nothing a second time
+        compat.restore_sigterm_handling(trainer)
+        assert all(getattr(owners[name], m) is patched[name] for name, (_, _, m) in compat.PATCHES.items())
     finally:
-        for name, (_, _, method) in compat.PATCHES.items():
-            setattr(owners[name], method, patched[name])
-    compat.replace_sigterm_handling(trainer, _noop, _noop, _noop, _noop)  # installs nothing a second time
-    compat.restore_sigterm_handling(trainer)
-    assert all(getattr(owners[name], m) is patched[name] for name, (_, _, m) in compat.PATCHES.items())
-    undo_routing()  # the evaluation loop's end: Lightning's dispatch back, the others stay
+        undo_routing()  # the evaluation loop's end: Lightning's dispatch back, the others stay
     assert compat.installed_patches() == [name for name in compat.PATCHES if name not in compat.PER_LOOP_PATCHES]
 
 

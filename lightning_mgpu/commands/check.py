@@ -20,6 +20,7 @@ command exits with status 1. The environment variable
 ``LIGHTNING_MGPU_CHECK_FAULT=bn_stats`` corrupts the last rank's BatchNorm statistics, to see a failure reported.
 """
 
+import importlib.util
 import json
 import logging
 import os
@@ -82,10 +83,11 @@ def _gpu_tests(gpus: int) -> dict[str, Any]:
         return {"check": "gpu-tests", "result": "SKIP", "detail": "no GPU"}
     if not tests.is_dir():
         return {"check": "gpu-tests", "result": "SKIP", "detail": "no tests/ folder: run from a checkout of the repo"}
-    # -n 0: one test at a time, whatever the repository's pytest options say (tests that measure GPU memory share it)
-    command = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "-n", "0", str(tests)]
+    command = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", str(tests)]
+    if importlib.util.find_spec("xdist") is not None:
+        command[-1:-1] = ["-n", "0"]  # one test at a time, whatever the repository's options say: they share the GPUs
     completed = subprocess.run(command, cwd=tests.parent, capture_output=True, text=True, check=False)
-    summary = (completed.stdout.strip().splitlines() or ["no output"])[-1]
+    summary = (completed.stdout.strip().splitlines() or completed.stderr.strip().splitlines()[-1:] or ["no output"])[-1]
     result = "PASS" if completed.returncode == 0 else "FAIL"
     return {"check": "gpu-tests", "result": result, "detail": f"pytest -m cuda: {summary}"}
 

@@ -25,11 +25,11 @@ def fit_two_processes(model, tmp_path, steps, trainer_sync_batchnorm=False, spaw
         callbacks=[RankStateDump(tmp_path)],
         **QUIET,
     )
-    if spawn:
-        with finished_fits_survive_exit_aborts(tmp_path):
+    with finished_fits_survive_exit_aborts(tmp_path):  # a spawned worker's abort at exit (MGPU_TESTS_COLD=1 too)
+        if spawn:
             Trainer(**trainer_kwargs).fit(model)
-    else:
-        fit_apart(trainer_kwargs, model)
+        else:
+            fit_apart(trainer_kwargs, model)
     return load_rank_dumps(tmp_path)
 
 

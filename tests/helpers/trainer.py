@@ -1,10 +1,8 @@
 """Trainer keyword arguments, multi-process fits in a process of their own, and a logger shared by the tests."""
 
-import contextlib
 import os
 import pickle
 import random
-import signal
 import traceback
 from typing import Any
 
@@ -44,6 +42,7 @@ def fit_apart(trainer_kwargs: dict[str, Any], model: Any, **fit_kwargs: Any) -> 
         Trainer(**trainer_kwargs).fit(model, **fit_kwargs)
         return
     from tests.helpers import warm
+    from tests.helpers.processes import _kill_session
 
     context = warm.ready()
     receive, send = context.Pipe(duplex=False)
@@ -59,9 +58,8 @@ def fit_apart(trainer_kwargs: dict[str, Any], model: Any, **fit_kwargs: Any) -> 
         process.join()
         failure = f"its process died (exit status {process.exitcode}) before it said how the fit ended"
     finally:  # also when pytest-timeout interrupts the wait: the fit's process and its workers are killed
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.join()
+        _kill_session(process.pid, leader_running=process.exitcode is None)  # it may not have made its session yet
+        process.join(timeout=10)
     if failure is not None:
         raise RuntimeError(f"the fit in its own process failed:\n{failure}")
 

@@ -172,18 +172,23 @@ def test_bad_input_is_named_at_construction(kwargs, error, pattern):
 # --- two real processes -------------------------------------------------------------------------------------------
 
 
-def fit_two(model, tmp_path, callbacks=(), steps=STEPS, ckpt_path=None, **kwargs):
+def fit_two(model, tmp_path, callbacks=(), steps=STEPS, ckpt_path=None, spawn=False, **kwargs):
+    """Two processes: forked from a warm process (``fit_apart``), or with ``spawn`` Lightning's ``ddp_spawn`` from
+    here (the trainer, the callbacks and their tensors pickled to each worker, in shared memory)."""
     trainer_kwargs = dict(
         accelerator="cpu",
         devices=2,
-        strategy=MultiGPUStrategy(mode=f"ddp_{in_process_start()}"),
+        strategy=MultiGPUStrategy(mode="ddp_spawn" if spawn else f"ddp_{in_process_start()}"),
         max_steps=steps,
         use_distributed_sampler=False,
         callbacks=[*callbacks, RankStateDump(tmp_path)],
         **{**QUIET, **kwargs},
     )
     with finished_fits_survive_exit_aborts(tmp_path):
-        fit_apart(trainer_kwargs, model, ckpt_path=ckpt_path)
+        if spawn:
+            Trainer(**trainer_kwargs).fit(model, ckpt_path=ckpt_path)
+        else:
+            fit_apart(trainer_kwargs, model, ckpt_path=ckpt_path)
     return load_rank_dumps(tmp_path)
 
 

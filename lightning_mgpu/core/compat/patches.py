@@ -94,7 +94,12 @@ def install_patch(name: str, make_wrapper: Callable[[Callable[..., Any]], Callab
 
     Returns:
         Whether the patch is in place (``False``: this Lightning lacks the class or the method).
+
+    Raises:
+        ValueError: ``name`` is put in place per evaluation loop (:data:`PER_LOOP_PATCHES`), by its own function.
     """
+    if name in PER_LOOP_PATCHES:
+        raise ValueError(f"the patch {name!r} is put in place per evaluation loop (route_eval_steps), not installed")
     method = current(name)
     if method is None:
         return False
@@ -109,7 +114,7 @@ def remove_patch(name: str) -> bool:
     """Give Lightning its own method back; returns whether the patch ``name`` was removed.
 
     Only an outermost wrapper is removed: one that someone else wrapped since stays (``False``), so that their
-    wrapper is not lost.
+    wrapper is not lost. Removing ``eval_step_routing`` ends the routing of the evaluation loop running now.
     """
     method = current(name)
     if method is None or not is_ours(method, name):

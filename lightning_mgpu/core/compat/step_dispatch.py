@@ -69,7 +69,8 @@ def route_eval_steps(trainer: "pl.Trainer", run_step: RunStep) -> Callable[[], N
     def undo() -> None:
         dispatch.lightning_mgpu_active = False  # type: ignore[attr-defined]
         current = patches.current(STEP_DISPATCH_PATCH)
-        while patches.is_ours(current, STEP_DISPATCH_PATCH) and not current.lightning_mgpu_active:  # outermost, done
+        # unwrap ours while it is outermost and done with
+        while patches.is_ours(current, STEP_DISPATCH_PATCH) and not getattr(current, "lightning_mgpu_active", False):
             current = current.__wrapped__
         patches.replace(STEP_DISPATCH_PATCH, current)
 
