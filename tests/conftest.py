@@ -2,6 +2,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests.helpers.runif import needs_cuda
 
@@ -53,3 +54,12 @@ def _restore_environment():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left():
+    """A one-process FSDP or DDP fit in the pytest process leaves its default process group behind (Lightning does not
+    destroy it at teardown); the next test starts without one, whatever file its worker ran before."""
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
