@@ -10,14 +10,14 @@ blocks are the units activation checkpointing recomputes, and FSDP's sharding un
 together (:func:`sharding_units`). Users name classes instead where the rule finds the wrong ones (``class_names``).
 """
 
-import functools
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+
+from lightning_mgpu.core import compat
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 _WITHOUT_FORWARD = (nn.ModuleList, nn.ModuleDict)
@@ -241,31 +241,19 @@ def apply_activation_checkpointing(owner: str, module: nn.Module, setting: str |
 def checkpoint_activations(blocks: Sequence[nn.Module]) -> None:
     """Recompute each block's activations in the backward instead of keeping them (torch's non-reentrant checkpoint).
 
-    The block's ``forward`` is replaced on the instance, so parameter names and state-dict keys stay as they were
-    (torch's ``checkpoint_wrapper`` adds a prefix). Idempotent; :func:`undo_checkpoint_activations` reverts it.
-    Random operations inside a block (dropout) replay the same random numbers in the recomputation.
+    By two forward hooks (:class:`~lightning_mgpu.core.compat.ForwardCheckpoint`): the block's class, its ``forward``,
+    its parameter names and state-dict keys stay as they were (torch's ``checkpoint_wrapper`` adds a prefix), its own
+    hooks run once a step, and a copy of the model (``copy.deepcopy``) recomputes its own blocks. Idempotent;
+    :func:`undo_checkpoint_activations` reverts it. Random operations inside a block (dropout) replay the same random
+    numbers in the recomputation.
     """
     for block in blocks:
-        if getattr(block.forward, "mgpu_checkpointed", False):
-            continue
-        original = block.forward
-
-        @functools.wraps(original)
-        def forward(*args: Any, _original: Callable[..., Any] = original, **kwargs: Any) -> Any:
-            return checkpoint(_original, *args, use_reentrant=False, **kwargs)
-
-        forward.mgpu_checkpointed = True  # type: ignore[attr-defined]
-        forward.mgpu_instance_forward = vars(block).get("forward")  # type: ignore[attr-defined]
-        block.forward = forward
+        compat.ForwardCheckpoint.apply(block)
 
 
 def undo_checkpoint_activations(blocks: Sequence[nn.Module]) -> None:
-    """Give the blocks their own ``forward`` back."""
+    """Keep the blocks' activations again, as before :func:`checkpoint_activations`."""
     for block in blocks:
-        if not getattr(block.forward, "mgpu_checkpointed", False):
-            continue
-        previous = block.forward.mgpu_instance_forward
-        if previous is None:
-            del block.forward  # the class's own method shows through again
-        else:
-            block.forward = previous
+        found = compat.ForwardCheckpoint.of(block)
+        if found is not None:
+            found.remove()

@@ -1,9 +1,13 @@
 """Repeated-block discovery and activation checkpointing (``lightning_mgpu.core.blocks``)."""
 
+import copy
+import io
+
 import pytest
 import torch
 from torch import nn
 
+from lightning_mgpu.core import compat
 from lightning_mgpu.core.blocks import (
     TiedParameter,
     TiedParameterSplitError,
@@ -315,3 +319,49 @@ def test_a_checkpointed_block_runs_the_users_forward_hooks_once_a_step():
 def test_checkpointed_blocks_train_under_torch_compile_as_without_checkpointing():
     plain, recomputed = _grads(False, "aot_eager"), _grads(True, "aot_eager")
     assert all(torch.allclose(plain[name], recomputed[name], rtol=1e-6, atol=1e-7) for name in plain)
+
+
+def test_a_pre_hook_registered_after_checkpointing_changes_the_recomputed_input_too():
+    # its change of the input runs inside the checkpoint; the recomputation takes the input the forward ran with
+    torch.manual_seed(0)
+    model = nn.Sequential(_Scaled(), _Scaled())
+    reference = copy.deepcopy(model)
+    checkpoint_activations(list(model))
+    for net in (model, reference):
+        net[0].register_forward_pre_hook(lambda module, args: (args[0] * 2,))
+    x = torch.randn(3, 4)
+    for net in (model, reference):
+        net(x).sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+
+
+def test_a_copy_of_a_checkpointed_model_recomputes_its_own_blocks():
+    torch.manual_seed(0)
+    model = TinyTransformer(depth=3, dim=16)
+    checkpoint_activations(model.blocks)
+    copied = copy.deepcopy(model)
+    with torch.no_grad():  # the copy's weights part from the model's: a recomputation from the model would show
+        for param in copied.parameters():
+            param.mul_(0.5)
+    reference = copy.deepcopy(copied)
+    undo_checkpoint_activations(reference.blocks)
+    tokens = torch.randint(0, 32, (4, 8))
+    for net in (copied, reference):
+        net(tokens).square().mean().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(copied.parameters(), reference.parameters(), strict=True))
+    assert all(param.grad is None for param in model.parameters())
+
+
+def test_a_checkpointed_model_pickles_and_stays_checkpointed():
+    torch.manual_seed(0)
+    model = TinyTransformer(depth=3, dim=16)
+    checkpoint_activations(model.blocks)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert all(compat.ForwardCheckpoint.of(block) is not None for block in loaded.blocks)
+    tokens = torch.randint(0, 32, (4, 8))
+    for net in (model, loaded):
+        net(tokens).square().mean().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), loaded.parameters(), strict=True))

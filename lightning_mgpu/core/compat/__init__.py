@@ -86,6 +86,7 @@ from lightning_mgpu.core.compat.strategies import (
 from lightning_mgpu.core.compat.torch_names import (
     BatchNormBase,
     BatchNormLayer,
+    ForwardCheckpoint,
     NormBase,
     foreach_add_,
     foreach_copy_,
@@ -125,6 +126,7 @@ __all__ = [
     "BatchNormBase",
     "BatchNormLayer",
     "DDPStrategyBase",
+    "ForwardCheckpoint",
     "Internal",
     "LogCapture",
     "NormBase",
