@@ -179,8 +179,6 @@ class DDPStrategy(OwnStepService, HangWatchHooks, SigtermAgreementHooks, ExactRe
         self.bucket_tuning_steps = bucket_tuning_steps
         self.comm_hook = comm_hook
         self.comm_hook_candidates = tunable_hooks(comm_hook, comm_hook_candidates)
-        # what bucket_cap_mb="auto" / comm_hook="auto" settled on; None until the first training batch
-        self.bucket_tuning: BucketTuningResult | None = None
         self._tuning = DDPBucketTuning(self)
         self.powersgd_rank = powersgd_rank
         self.powersgd_warmup_steps = powersgd_warmup_steps
@@ -194,6 +192,11 @@ class DDPStrategy(OwnStepService, HangWatchHooks, SigtermAgreementHooks, ExactRe
     def ddp_kwargs(self) -> dict[str, Any]:
         """A copy of the keyword arguments ``DistributedDataParallel`` is built with (the bucket size in use)."""
         return dict(compat.ddp_kwargs(self))
+
+    @property
+    def bucket_tuning(self) -> BucketTuningResult | None:
+        """What ``bucket_cap_mb="auto"`` / ``comm_hook="auto"`` settled on (or why not); ``None`` until a batch."""
+        return self._tuning.result
 
     @property
     def tunes_buckets(self) -> bool:

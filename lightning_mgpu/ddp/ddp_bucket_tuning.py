@@ -7,6 +7,7 @@ clock); this module wires it to a :class:`~lightning_mgpu.ddp.ddp.DDPStrategy`, 
 """
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -36,17 +37,30 @@ BUCKET_TUNING_CHECKPOINT_KEY = "lightning_mgpu_bucket_tuning"
 MIN_BUCKET_TUNING_STEPS = WARMUP_STEPS + 2 * (SETTLE_STEPS + MIN_TIMED_STEPS)
 
 
+@dataclass
+class _FitTuning:
+    """One fit's tuning under way: the tuner, the optimizer step it last saw, and what that step started in."""
+
+    tuner: BucketTuner
+    step: int
+    marker: tuple[int, int] | None = None  # (epoch, validation runs) when that step started
+
+
 class DDPBucketTuning:
     """The DDP setting a :class:`~lightning_mgpu.ddp.ddp.DDPStrategy` fit runs with, tuned where ``"auto"``.
 
-    Holds the comm hook in use and, while ``bucket_cap_mb`` or ``comm_hook`` is ``"auto"``, the tuner of the fit under
-    way. At the first optimizer step of a fit it decides (on rank 0, for every rank) whether tuning can pay off; if so
-    it re-wraps DDP with each trial the tuner asks for, one optimizer step boundary at a time, shares rank 0's timings
-    when the tuner must decide, then logs the result and leaves it in the strategy's ``bucket_tuning``. A result saved
-    in a checkpoint is applied before DDP wraps the model, so a resumed fit wraps once and does not tune again.
+    The bucket size lives in three roles, each held once: the option as the user gave it (the strategy's
+    ``bucket_cap_mb``, never changed), the setting DDP's current wrapper was built with (:attr:`in_use`, written into
+    the DDP keyword arguments by :meth:`_use` only, right before a wrap) and what tuning settled on (:attr:`result`,
+    the strategy's ``bucket_tuning``). While ``bucket_cap_mb`` or ``comm_hook`` is ``"auto"``, the fit's first
+    optimizer step decides (on rank 0, for every rank) whether tuning can pay off; if so a per-fit
+    :class:`_FitTuning` re-wraps DDP with each trial the tuner asks for, one optimizer step boundary at a time, shares
+    rank 0's timings when the tuner must decide, then logs the result. A result saved in a checkpoint is applied
+    before DDP wraps the model, so a resumed fit wraps once and does not tune again.
 
-    It reads the strategy's options (``bucket_cap_mb``, ``comm_hook``, ``comm_hook_candidates``,
-    ``bucket_tuning_steps``) and reaches Lightning's DDP internals only through :mod:`lightning_mgpu.core.compat`.
+    The strategy calls in (``setup``, ``on_train_batch_start``, ``save_checkpoint``, ``load_checkpoint``,
+    ``teardown``); this object reads its options and reaches Lightning's DDP internals only through
+    :mod:`lightning_mgpu.core.compat`.
 
     Args:
         strategy: the strategy it tunes, with its options already set.
@@ -54,18 +68,18 @@ class DDPBucketTuning:
 
     def __init__(self, strategy: "DDPStrategy") -> None:
         self.strategy = strategy
-        # the bucket size configured by number (None: torch's default), where every fit starts from
-        self.configured_bucket_cap: float | None = (
-            None if strategy.bucket_cap_mb in (None, "auto") else strategy.bucket_cap_mb
-        )
-        # the comm hook registered on DDP's current wrapper: the fixed one, or comm_hook="auto"'s trial or choice
-        self.active_comm_hook: str | None = self.fixed_comm_hook
-        self.tuner: BucketTuner | None = None
-        self.step: int | None = None  # the global step the tuner last saw
-        self.marker: tuple[int, int] | None = None  # (epoch, validation runs) when that step started
+        self.in_use = self.configured  # the setting of DDP's current wrapper
+        self.result: BucketTuningResult | None = None  # what the last fit settled on; None until its first batch
         self.restored: BucketTuningResult | None = None  # from the checkpoint the next fit resumes
+        self.fit: _FitTuning | None = None
         # nothing left to tune in this fit (decided at its first optimizer step): the strategy stops calling
         self.settled = False
+
+    @property
+    def configured(self) -> Trial:
+        """The setting every fit starts from: the size given by number (``None``: torch's default), the fixed hook."""
+        size = self.strategy.bucket_cap_mb
+        return Trial(None if size in (None, "auto") else size, self.fixed_comm_hook)
 
     @property
     def fixed_comm_hook(self) -> str | None:
@@ -74,21 +88,24 @@ class DDPBucketTuning:
         return None if comm_hook == "auto" else comm_hook
 
     @property
+    def active_comm_hook(self) -> str | None:
+        """The comm hook on DDP's current wrapper: the fixed one, or ``comm_hook="auto"``'s trial or choice."""
+        return self.in_use.comm_hook
+
+    @property
     def owner(self) -> str:
         """The strategy's class name, for log lines."""
         return type(self.strategy).__name__
 
     def setup(self, trainer: "pl.Trainer") -> None:
         """Start each fit from the configured setting, or from a checkpoint's tuned one; before DDP wraps the model."""
-        strategy = self.strategy
-        self.tuner, self.step, self.marker, self.settled = None, None, None, False
+        self.fit, self.settled = None, False
         restored, self.restored = self.restored, None
-        if not (strategy.tunes_buckets and trainer.state.fn == TrainerFn.FITTING):
+        if not (self.strategy.tunes_buckets and trainer.state.fn == TrainerFn.FITTING):
             return
         # a fit starts from the configured setting, whatever trial an earlier fit on this strategy stopped in
-        strategy.bucket_tuning = None
-        self._set_bucket_cap(self.configured_bucket_cap)
-        self.active_comm_hook = self.fixed_comm_hook
+        self.result = None
+        self._use(self.configured)
         if restored is not None:
             self._apply_restored(restored)  # DDP then wraps once, with this
 
@@ -97,24 +114,25 @@ class DDPBucketTuning:
 
         Once nothing is left to tune in the fit, :attr:`settled` says so and the strategy calls no more.
         """
-        strategy = self.strategy
-        if not strategy.tunes_buckets or (strategy.bucket_tuning is not None and self.tuner is None):
+        if not self.strategy.tunes_buckets or (self.result is not None and self.fit is None):
             self.settled = True
             return
-        trainer = strategy.lightning_module.trainer
-        if trainer.global_step == self.step:
+        trainer = self.strategy.lightning_module.trainer
+        if self.fit is None:
+            tuner = self._start(trainer)
+            if tuner is None:
+                return
+            self.fit = _FitTuning(tuner, trainer.global_step)
+        elif trainer.global_step == self.fit.step:
             return  # the same optimizer step, accumulating
-        self.step = trainer.global_step
-        if strategy.bucket_tuning is None and self.tuner is None:
-            self._start(trainer)
-        if self.tuner is not None:
-            self._step_started(trainer, self.tuner)
+        else:
+            self.fit.step = trainer.global_step
+        self._step_started(trainer, self.fit)
 
     def save(self, checkpoint: dict[str, Any]) -> None:
         """Put a tuned result in ``checkpoint``; a skipped tuning is decided again on resume."""
-        result = self.strategy.bucket_tuning
-        if result is not None and result.tuned:
-            checkpoint[BUCKET_TUNING_CHECKPOINT_KEY] = result.state_dict()
+        if self.result is not None and self.result.tuned:
+            checkpoint[BUCKET_TUNING_CHECKPOINT_KEY] = self.result.state_dict()
 
     def load(self, checkpoint: dict[str, Any]) -> None:
         """Keep ``checkpoint``'s tuned result for the next fit's :meth:`setup`."""
@@ -122,15 +140,16 @@ class DDPBucketTuning:
         self.restored = BucketTuningResult.restored(state) if isinstance(state, dict) else None
 
     def teardown(self) -> None:
-        """Forget the fit's tuner: it holds for one fit."""
-        self.tuner = None
+        """Forget the fit's tuning: it holds for one fit."""
+        self.fit = None
 
     def _apply_restored(self, restored: BucketTuningResult) -> None:
-        strategy = self.strategy
+        strategy, configured = self.strategy, self.configured
+        auto_size, auto_hook = strategy.bucket_cap_mb == "auto", strategy.comm_hook == "auto"
         matches = (
             restored.world_size == strategy.world_size
-            and (strategy.comm_hook == "auto" or restored.comm_hook == self.fixed_comm_hook)
-            and (strategy.bucket_cap_mb == "auto" or restored.bucket_cap_mb == self.configured_bucket_cap)
+            and (auto_hook or restored.comm_hook == configured.comm_hook)
+            and (auto_size or restored.bucket_cap_mb == configured.bucket_cap_mb)
         )
         if not matches:
             rank_zero_info(
@@ -139,11 +158,13 @@ class DDPBucketTuning:
                 "and fixed settings; tuning again."
             )
             return
-        if strategy.bucket_cap_mb == "auto":
-            self._set_bucket_cap(restored.bucket_cap_mb)
-        if strategy.comm_hook == "auto":
-            self.active_comm_hook = restored.comm_hook
-        strategy.bucket_tuning = restored
+        self._use(
+            Trial(
+                restored.bucket_cap_mb if auto_size else configured.bucket_cap_mb,
+                restored.comm_hook if auto_hook else configured.comm_hook,
+            )
+        )
+        self.result = restored
         rank_zero_info(f"{self.owner}: tuned DDP setting {restored.summary()}.")
 
     def _skip_reason(self, trainer: "pl.Trainer", bucket_sizes: list[float | None]) -> str | None:
@@ -175,39 +196,39 @@ class DDPBucketTuning:
             return "one bucket holds every gradient whatever the size: nothing to choose"
         return None
 
-    def _start(self, trainer: "pl.Trainer") -> None:
+    def _start(self, trainer: "pl.Trainer") -> BucketTuner | None:
+        """Decide at the fit's first optimizer step whether to tune: the tuner, or ``None`` with the reason kept."""
         strategy = self.strategy
-        current_size = compat.ddp_kwargs(strategy).get("bucket_cap_mb")
         if strategy.bucket_cap_mb == "auto":
             trainable = (p for p in strategy.lightning_module.parameters() if p.requires_grad)
             bucket_sizes = bucket_candidates(sum(p.numel() * p.element_size() for p in trainable) / 2**20)
         else:
-            bucket_sizes = [current_size]
+            bucket_sizes = [self.in_use.bucket_cap_mb]
         hooks = list(strategy.comm_hook_candidates) if strategy.comm_hook == "auto" else []
         reason = self._skip_reason(trainer, bucket_sizes)
         if strategy.world_size > 1:
             # ranks may see different loader lengths: rank 0's view decides, or some ranks would tune alone
             reason, bucket_sizes = strategy.broadcast((reason, bucket_sizes), src=0)
         if reason is not None:
-            strategy.bucket_tuning = BucketTuningResult(
-                current_size, self.active_comm_hook, reason, world_size=strategy.world_size
+            self.result = BucketTuningResult(
+                self.in_use.bucket_cap_mb, self.in_use.comm_hook, reason, world_size=strategy.world_size
             )
-            rank_zero_info(f"{self.owner}: bucket tuning {strategy.bucket_tuning.summary()}.")
-            return
-        self.tuner = BucketTuner(
-            bucket_sizes, hooks, self.fixed_comm_hook, strategy.bucket_tuning_steps, strategy.world_size
-        )
-        if self.tuner.current != Trial(current_size, self.active_comm_hook):
-            self._rewrap(self.tuner.current)
+            rank_zero_info(f"{self.owner}: bucket tuning {self.result.summary()}.")
+            return None
+        steps, world_size = strategy.bucket_tuning_steps, strategy.world_size
+        tuner = BucketTuner(bucket_sizes, hooks, self.fixed_comm_hook, steps, world_size)
+        if tuner.current != self.in_use:
+            self._rewrap(tuner.current)
+        return tuner
 
-    def _step_started(self, trainer: "pl.Trainer", tuner: BucketTuner) -> None:
-        strategy = self.strategy
+    def _step_started(self, trainer: "pl.Trainer", fit: _FitTuning) -> None:
+        strategy, tuner = self.strategy, fit.tuner
         if strategy.root_device.type == "cuda":
             torch.cuda.synchronize(strategy.root_device)  # time the GPU's work, not how fast the host queued it
         now = time.perf_counter()
         # a step that also ran validation or ended an epoch is not timed
         marker = (trainer.current_epoch, trainer.fit_loop.epoch_loop.val_loop.batch_progress.total.completed)
-        discard, self.marker = marker != self.marker, marker
+        discard, fit.marker = marker != fit.marker, marker
         switch = tuner.step_started(now, discard=discard)
         if tuner.needs_decision:
             # rank 0's timings decide on every rank: one broadcast, at the same step everywhere
@@ -215,8 +236,7 @@ class DDPBucketTuning:
         if switch is not None:
             self._rewrap(switch)
         if tuner.result is not None:
-            self.tuner = None
-            strategy.bucket_tuning = tuner.result
+            self.fit, self.result = None, tuner.result
             self._log(trainer, tuner.result)
 
     def _rewrap(self, trial: Trial) -> None:
@@ -224,31 +244,33 @@ class DDPBucketTuning:
         assert isinstance(strategy.model, DistributedDataParallel)
         module = strategy.model.module
         strategy.model = module  # the old wrapper's buckets are freed before the new ones are allocated
-        kept_kwargs = compat.ddp_kwargs(strategy)
+        kept_kwargs, kept_trial = compat.ddp_kwargs(strategy), self.in_use
         # the parameters are equal on every rank already
         compat.set_ddp_kwargs(strategy, dict(kept_kwargs, init_sync=False))
-        self._set_bucket_cap(trial.bucket_cap_mb)
+        self._use(trial)
         try:
             strategy.model = compat.wrap_in_ddp(strategy, module)
         except BaseException:
             compat.set_ddp_kwargs(strategy, kept_kwargs)  # the fit is failing: leave the settings as they were
+            self.in_use = kept_trial
             raise
         # later wraps (the next fit's) get the user's init_sync back, or torch's default
         kwargs = compat.ddp_kwargs(strategy)
         kwargs.pop("init_sync")
         if "init_sync" in kept_kwargs:
             kwargs["init_sync"] = kept_kwargs["init_sync"]
-        self.active_comm_hook = trial.comm_hook
-        compat.register_ddp_hooks(strategy)
+        compat.register_ddp_hooks(strategy)  # registers in_use's comm hook
         if strategy.root_device.type == "cuda":
             torch.cuda.synchronize(strategy.root_device)  # gradients copied into the new buckets on the wrap's stream
 
-    def _set_bucket_cap(self, bucket_cap_mb: float | None) -> None:
+    def _use(self, trial: Trial) -> None:
+        """Make ``trial`` the setting the next wrap of DDP is built with: the one place the bucket size is written."""
+        self.in_use = trial
         kwargs = compat.ddp_kwargs(self.strategy)
-        if bucket_cap_mb is None:
+        if trial.bucket_cap_mb is None:
             kwargs.pop("bucket_cap_mb", None)
         else:
-            kwargs["bucket_cap_mb"] = bucket_cap_mb
+            kwargs["bucket_cap_mb"] = trial.bucket_cap_mb
 
     def _log(self, trainer: "pl.Trainer", result: BucketTuningResult) -> None:
         rank_zero_info(f"{self.owner}: bucket tuning {result.summary()}.")

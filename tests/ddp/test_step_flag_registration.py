@@ -49,7 +49,6 @@ def _registrations(rank: int, world_size: int) -> dict:
     found = {}
     for name, (hook, timed, ddp_kwargs, lightning_hook) in CASES.items():
         strategy = DDPStrategy(comm_hook=hook, **({"ddp_comm_hook": _lightning_hook} if lightning_hook else {}))
-        strategy._tuning.active_comm_hook = hook
         strategy.step_service.carry_flag(StepFlag())
         strategy.step_service.time_reductions(_Timer() if timed else None)
         module = torch.nn.Linear(4, 4)
