@@ -10,14 +10,14 @@ blocks are the units activation checkpointing recomputes, and FSDP's sharding un
 together (:func:`sharding_units`). Users name classes instead where the rule finds the wrong ones (``class_names``).
 """
 
+import functools
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
-
-from lightning_mgpu.core import compat
+from torch.utils.checkpoint import checkpoint
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 _WITHOUT_FORWARD = (nn.ModuleList, nn.ModuleDict)
@@ -238,22 +238,43 @@ def apply_activation_checkpointing(owner: str, module: nn.Module, setting: str |
     return [names[block] for block in blocks]
 
 
+def _checkpointed_forward(block: nn.Module, previous: Callable[..., Any] | None, *args: Any, **kwargs: Any) -> Any:
+    # the block's own forward (or one set on it before), run under torch's non-reentrant checkpoint
+    forward = previous if previous is not None else type(block).forward.__get__(block)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
 def checkpoint_activations(blocks: Sequence[nn.Module]) -> None:
     """Recompute each block's activations in the backward instead of keeping them (torch's non-reentrant checkpoint).
 
-    By two forward hooks (:class:`~lightning_mgpu.core.compat.ForwardCheckpoint`): the block's class, its ``forward``,
-    its parameter names and state-dict keys stay as they were (torch's ``checkpoint_wrapper`` adds a prefix), its own
-    hooks run once a step, and a copy of the model (``copy.deepcopy``) recomputes its own blocks. Idempotent;
-    :func:`undo_checkpoint_activations` reverts it. Random operations inside a block (dropout) replay the same random
-    numbers in the recomputation.
+    The block's ``forward`` is set on the instance to run its own forward under ``torch.utils.checkpoint``: its class,
+    parameter names and state-dict keys stay as they were (torch's ``checkpoint_wrapper`` adds a prefix to every
+    name), its hooks run once a step, outside the checkpoint, and ``torch.compile`` traces the checkpoint as one
+    region (the forward's saved tensors and the recomputation's then match; hooks that checkpoint around a compiled
+    forward recompute in eager mode, whose saved tensors differ). The forward is a ``functools.partial`` of a module
+    function and the block, so a copy of the model (``copy.deepcopy``) recomputes its own blocks and the model
+    pickles. Idempotent; :func:`undo_checkpoint_activations` reverts it. Random operations inside a block (dropout)
+    replay the same random numbers in the recomputation.
     """
     for block in blocks:
-        compat.ForwardCheckpoint.apply(block)
+        if _is_checkpointed(block):
+            continue
+        previous = vars(block).get("forward")  # a forward set on the instance before (an adapter's), kept
+        block.forward = functools.partial(_checkpointed_forward, block, previous)
+
+
+def _is_checkpointed(block: nn.Module) -> bool:
+    forward = block.forward
+    return isinstance(forward, functools.partial) and forward.func is _checkpointed_forward
 
 
 def undo_checkpoint_activations(blocks: Sequence[nn.Module]) -> None:
-    """Keep the blocks' activations again, as before :func:`checkpoint_activations`."""
+    """Give the blocks their own ``forward`` back."""
     for block in blocks:
-        found = compat.ForwardCheckpoint.of(block)
-        if found is not None:
-            found.remove()
+        if not _is_checkpointed(block):
+            continue
+        previous = block.forward.args[1]
+        if previous is None:
+            del block.forward  # the class's own method shows through again
+        else:
+            block.forward = previous

@@ -86,7 +86,6 @@ from lightning_mgpu.core.compat.strategies import (
 from lightning_mgpu.core.compat.torch_names import (
     BatchNormBase,
     BatchNormLayer,
-    ForwardCheckpoint,
     NormBase,
     foreach_add_,
     foreach_copy_,
@@ -126,7 +125,6 @@ __all__ = [
     "BatchNormBase",
     "BatchNormLayer",
     "DDPStrategyBase",
-    "ForwardCheckpoint",
     "Internal",
     "LogCapture",
     "NormBase",

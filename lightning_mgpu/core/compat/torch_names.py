@@ -1,15 +1,12 @@
-"""Private torch and torchmetrics names: BatchNorm's base, foreach kernels, the grad scaler, metric progress, hooks."""
+"""Private torch and torchmetrics names: BatchNorm's base, foreach kernels, the grad scaler, metric progress."""
 
-from collections.abc import Generator
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.optim import Optimizer
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, noop_context_fn
-from torch.utils.hooks import RemovableHandle
 from torchmetrics import Metric
 
 BatchNormBase = _BatchNorm  # every BatchNorm1d/2d/3d and SyncBatchNorm (torch 2.13)
@@ -92,78 +89,3 @@ def metric_progress(metric: Metric) -> tuple[int, Any]:
 def set_metric_progress(metric: Metric, progress: tuple[int, Any]) -> None:
     """Put back what :func:`metric_progress` returned."""
     metric._update_count, metric._computed = progress
-
-
-class _CheckpointedCall:
-    """One call of a checkpointed module: the arguments its forward ran with, and torch's checkpoint frame."""
-
-    def __init__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self.module, self.args, self.kwargs = module, args, kwargs
-        tensors = (*args, *kwargs.values())  # the frame finds the device (and its random state) from these
-        self.frame: Generator[None, None, None] = _checkpoint_without_reentrant_generator(
-            self.recompute, True, noop_context_fn, "default", False, True, *tensors
-        )
-
-    def recompute(self, *_saved_inputs: Any) -> Any:
-        # the forward alone, with the arguments it ran with: the module's hooks ran once, outside the checkpoint
-        return self.module.forward(*self.args, **self.kwargs)
-
-
-class ForwardCheckpoint:
-    """Run each call of a module's ``forward`` under torch's non-reentrant activation checkpoint, by two hooks.
-
-    The forward pre-hook is registered last, so the module's own pre-hooks (a user's, FSDP2's unshard and input cast,
-    which it prepends) run before the checkpoint, once; the forward hook is prepended, so the checkpoint ends as the
-    forward returns. The backward recomputes ``module.forward`` alone, with the arguments the forward received, and
-    the forward's random state (dropout). Nothing of the module changes: its class, its methods, its parameter names
-    and its state-dict keys. A pre-hook registered after this one runs inside the checkpoint; one that saves tensors
-    for the backward then fails the recomputation's check.
-
-    Built on torch 2.13's private ``_checkpoint_without_reentrant_generator``, the generator behind
-    ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` and ``torch.distributed._composable.checkpoint``. The
-    latter recomputes through the module's call, running its pre-hooks a second time on arguments they already
-    changed.
-    """
-
-    def __init__(self) -> None:
-        self._calls: list[_CheckpointedCall] = []  # a stack: a module may call itself
-        self._handles: tuple[RemovableHandle, ...] = ()
-
-    @classmethod
-    def of(cls, module: nn.Module) -> "ForwardCheckpoint | None":
-        """The checkpoint applied to ``module``, if any (among torch's ``_forward_pre_hooks`` of the module)."""
-        for hook in module._forward_pre_hooks.values():
-            if isinstance(getattr(hook, "__self__", None), cls):
-                return hook.__self__
-        return None
-
-    @classmethod
-    def apply(cls, module: nn.Module) -> "ForwardCheckpoint":
-        """Checkpoint ``module``'s forward; applying it again to the same module changes nothing."""
-        found = cls.of(module)
-        if found is not None:
-            return found
-        hooks = cls()
-        hooks._handles = (
-            module.register_forward_pre_hook(hooks._enter, with_kwargs=True),
-            module.register_forward_hook(hooks._leave, with_kwargs=True, prepend=True, always_call=True),
-        )
-        return hooks
-
-    def remove(self) -> None:
-        """Keep the module's activations again."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = ()
-
-    def _enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        call = _CheckpointedCall(module, args, kwargs)
-        next(call.frame)
-        self._calls.append(call)
-
-    def _leave(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        if not self._calls:  # the forward failed before this hook's pair ran
-            return
-        call = self._calls.pop()
-        call.args, call.kwargs = args, kwargs  # what the forward ran with, should a later pre-hook have changed them
-        next(call.frame, None)
