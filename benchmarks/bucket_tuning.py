@@ -17,6 +17,7 @@ import itertools
 import json
 import os
 import statistics
+from pathlib import Path
 
 from _common import add_json_out, batch_clock, classifier_module, describe_machine, ratio_row, run_worker, write_rows
 
@@ -91,6 +92,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=500)
     add_json_out(parser)
+    parser.add_argument(
+        "--trials-out", type=Path, metavar="PATH", help="also write each round's tuning result (ms per trial) as JSON"
+    )
     args = parser.parse_args()
     if args.worker:
         worker(args.worker[0], args.worker[1], args.steps)
@@ -98,7 +102,7 @@ def main() -> None:
 
     print(f"machine: {describe_machine()}")
     print(f"2 processes over gloo, {args.steps} steps each, timed after step 1, {args.rounds} alternating rounds")
-    rows = []
+    rows, trials = [], []
     for model_name in args.models:
         widths, batch_size = MODELS[model_name]
         print(f"\nmodel {model_name}: MLP {'-'.join(map(str, widths))}, batch {batch_size}/process")
@@ -135,9 +139,12 @@ def main() -> None:
             print(f"  auto / {name:<13} {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f})")
             config, metric = f"auto, {model_name}", f"steps/s vs {name}"
             rows.append(ratio_row("bucket_tuning", config, metric, ratios, "higher", BASELINES[reference]))
+        trials.append({"model": model_name, "rounds": [r["auto"]["tuning"] for r in per_round]})
         shares = [r["auto"]["tuning"]["tuning_seconds"] / r["auto"]["seconds"] for r in per_round]
         print(f"  tuning time / run time  {statistics.median(shares):.1%}")
     write_rows(args.json_out, rows)
+    if args.trials_out is not None:
+        args.trials_out.write_text(json.dumps(trials, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -275,6 +275,18 @@ def main() -> None:
         for name in names
         if name != "ddp"
     ]
+    rows += [
+        ratio_row(
+            "fsdp_vs_ddp",
+            name if (args.model, args.nodes) == ("mlp", 1) else f"{name}_{args.model}_{args.nodes}x{PER_NODE}",
+            "memory added per rank vs DDP (lower is smaller)",
+            [memory[name] / memory["ddp"]],
+            "lower",
+            'MultiGPUStrategy(mode="ddp")',
+        )
+        for name in names
+        if name != "ddp"
+    ]
     write_rows(args.json_out, rows)
 
 

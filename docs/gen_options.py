@@ -1,8 +1,8 @@
-"""Print a strategy's option table, or bring the README's option tables up to date, from the declarations.
+"""Print a strategy's option table, or bring the docs' option tables up to date, from the declarations.
 
     python docs/gen_options.py DDPStrategy        # the Markdown table of one strategy
-    python docs/gen_options.py --readme           # rewrite the generated tables in README.md
-    python docs/gen_options.py --readme --check   # exit 1 if README.md's tables are stale
+    python docs/gen_options.py --readme           # rewrite the generated tables in README.md and docs/*.md
+    python docs/gen_options.py --readme --check   # exit 1 if any of those tables is stale
 
 A generated table in a Markdown file follows a line ``<!-- generated: options of CLASS -->`` (or
 ``<!-- generated: options of CLASS (name, name) -->`` for some options only) and ends at the first blank line. The
@@ -17,7 +17,15 @@ from pathlib import Path
 import lightning_mgpu
 from lightning_mgpu.core.options import markdown_table
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+DOCS = Path(__file__).resolve().parent
+README = DOCS.parent / "README.md"
+
+
+def pages() -> list[Path]:
+    """The Markdown files that may hold generated tables: the README and every page of the docs."""
+    return [README, *sorted(DOCS.rglob("*.md"))]
+
+
 MARK = re.compile(r"^<!-- generated: options of (?P<strategy>\w+)(?: \((?P<names>[\w, ]+)\))? -->$")
 
 
@@ -48,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("strategy", nargs="?", help="DDPStrategy, FSDPStrategy or MultiGPUStrategy")
-    parser.add_argument("--readme", action="store_true", help="rewrite README.md's generated option tables")
+    parser.add_argument(
+        "--readme", action="store_true", help="rewrite the generated option tables of README.md and docs/"
+    )
     parser.add_argument("--check", action="store_true", help="with --readme: only say whether they are up to date")
     args = parser.parse_args(argv)
     if not args.readme:
@@ -56,13 +66,18 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("name a strategy, or pass --readme")
         print(markdown_table(getattr(lightning_mgpu, args.strategy)))
         return 0
-    text = README.read_text()
-    fresh = regenerate(text)
-    if args.check:
+    stale = []
+    for page in pages():
+        text = page.read_text()
+        fresh = regenerate(text)
         if fresh != text:
-            print(f"{README.name}: option tables are stale; run python docs/gen_options.py --readme", file=sys.stderr)
-        return int(fresh != text)
-    README.write_text(fresh)
+            stale.append(page)
+            if not args.check:
+                page.write_text(fresh)
+    if args.check:
+        for page in stale:
+            print(f"{page.name}: option tables are stale; run python docs/gen_options.py --readme", file=sys.stderr)
+        return int(bool(stale))
     return 0
 
 

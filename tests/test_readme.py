@@ -1,4 +1,4 @@
-"""The README, run as a reader runs it, so that it cannot drift from what the pack does.
+"""The README and the pages of ``docs/``, run as a reader runs them, so that they cannot drift from what the pack does.
 
 - Every ```` ```python ```` block runs in a fresh interpreter, from the repository root, as a file of its own (so
   that Lightning can launch it again for the other ranks). The comment lines right after a line starting with
@@ -35,6 +35,8 @@ from tests.helpers.processes import LAUNCHER_VARIABLES, REPO
 
 ROOT = Path(REPO)
 README = ROOT / "README.md"
+# the README, then every page of the docs site
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 CI_SCRIPT = ROOT / ".ci" / "run"
 BLOBS_CONFIG = ROOT / "examples" / "configs" / "blobs.yaml"
 LANGUAGES = {"python", "bash", "yaml", ""}  # "": plain text (output, layout); any other language fails the suite
@@ -50,7 +52,7 @@ NUMBER = re.compile(r"\d+(?:\.\d+)?")
 
 @dataclass(frozen=True)
 class Block:
-    """A fenced code block of the README."""
+    """A fenced code block of the README or of a docs page."""
 
     lang: str
     code: str
@@ -59,14 +61,21 @@ class Block:
     skip: str | None  # the reason given in a readme-test skip mark
     output_of: str | None  # the command given in a readme-test output mark
     mark_line: int | None  # the line of that mark
+    page: str = "README.md"  # relative to the repository root
 
     @property
     def name(self) -> str:
         slug = re.sub(r"[^a-z0-9]+", "-", self.section.lower()).strip("-")[:40]
-        return f"{self.lang or 'text'}-line{self.line}-{slug}"
+        where = "" if self.page == "README.md" else re.sub(r"[^a-z0-9]+", "-", self.page[:-3].lower()) + "-"
+        return f"{where}{self.lang or 'text'}-line{self.line}-{slug}"
+
+    @property
+    def where(self) -> str:
+        """``PAGE line N``, for messages."""
+        return f"{self.page} line {self.line}"
 
 
-def readme_blocks(text: str) -> list[Block]:
+def readme_blocks(text: str, page: str = "README.md") -> list[Block]:
     """Every fenced block of ``text``, with its section heading and the readme-test mark on the line before it."""
     blocks: list[Block] = []
     section, previous, previous_line, fence = "", "", 0, None
@@ -74,7 +83,7 @@ def readme_blocks(text: str) -> list[Block]:
         stripped = line.strip()
         if fence is not None:
             if stripped == "```":
-                blocks.append(Block(fence[0], "\n".join(fence[3]), fence[1], section, *fence[2]))
+                blocks.append(Block(fence[0], "\n".join(fence[3]), fence[1], section, *fence[2], page=page))
                 fence = None
             else:
                 fence[3].append(line)
@@ -87,11 +96,11 @@ def readme_blocks(text: str) -> list[Block]:
             section = line.lstrip("#").strip()
         if stripped:
             previous, previous_line = stripped, number
-    assert fence is None, f"README.md: the block opened at line {fence[1]} is never closed"
+    assert fence is None, f"{page}: the block opened at line {fence[1]} is never closed"
     return blocks
 
 
-BLOCKS = readme_blocks(README.read_text())
+BLOCKS = [block for page in PAGES for block in readme_blocks(page.read_text(), str(page.relative_to(ROOT)))]
 
 
 def blocks(lang: str) -> list[Block]:
@@ -130,7 +139,9 @@ def assert_prints(output: str, expected: list[tuple[str, str]], where: str) -> N
 def reader_env() -> dict[str, str]:
     """A reader's environment: no launcher variables left over from other tests, one thread per process."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
-    env.update(OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")
+    env.update(
+        OMP_NUM_THREADS="1", COLUMNS="80", PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    )
     env.pop("PYTHONPATH", None)
     return env
 
@@ -156,15 +167,15 @@ def run(command: list[str], timeout: float = TIMEOUT_S) -> tuple[int, str]:
 
 def skip_if_marked(block: Block) -> None:
     if block.skip:
-        pytest.skip(f"README.md line {block.line}: {block.skip}")
+        pytest.skip(f"{block.where}: {block.skip}")
 
 
 # --- the blocks ---------------------------------------------------------------------------------------------------
 
 
 def test_every_block_is_in_a_language_this_test_runs():
-    unknown = [f"line {b.line}: ```{b.lang}" for b in BLOCKS if b.lang not in LANGUAGES]
-    assert not unknown, f"README blocks this test does not run: {unknown}; teach tests/test_readme.py their language"
+    unknown = [f"{b.where}: ```{b.lang}" for b in BLOCKS if b.lang not in LANGUAGES]
+    assert not unknown, f"blocks this test does not run: {unknown}; teach tests/test_readme.py their language"
     # the parser found the blocks: a README without them would pass every test below
     assert len(blocks("python")) >= 5 and len(blocks("bash")) >= 3 and len(blocks("yaml")) >= 2
 
@@ -215,22 +226,25 @@ printed 3 lines
 def test_blocks_that_cannot_run_here_are_few_and_say_why():
     skipped = [b for b in BLOCKS if b.skip]
     for block in skipped:
-        print(f"README.md line {block.line} ({block.section}): skipped, {block.skip}")
-    assert len(skipped) <= MAX_SKIPPED_BLOCKS, [f"line {b.line}: {b.skip}" for b in skipped]
+        print(f"{block.where} ({block.section}): skipped, {block.skip}")
+    assert len(skipped) <= MAX_SKIPPED_BLOCKS, [f"{b.where}: {b.skip}" for b in skipped]
     # a mark this test does not understand, or one not right before a block, would be silently ignored
-    lines = README.read_text().splitlines()
-    marks = {n for n, line in enumerate(lines, start=1) if line.strip().startswith("<!-- readme-test:")}
-    assert marks == {b.mark_line for b in BLOCKS if b.mark_line}, [lines[n - 1] for n in marks]
+    for page in PAGES:
+        name = str(page.relative_to(ROOT))
+        lines = page.read_text().splitlines()
+        marks = {n for n, line in enumerate(lines, start=1) if line.strip().startswith("<!-- readme-test:")}
+        found = {b.mark_line for b in BLOCKS if b.mark_line and b.page == name}
+        assert marks == found, (name, [lines[n - 1] for n in marks - found])
 
 
 @pytest.mark.parametrize("block", params(blocks("python"), lambda b: True))  # a fresh interpreter: slow
 def test_python_block_runs_and_prints_what_its_comments_say(block, tmp_path):
     skip_if_marked(block)
-    script = tmp_path / f"readme_line{block.line}.py"
+    script = tmp_path / f"{Path(block.page).stem}_line{block.line}.py"
     script.write_text(block.code + "\n")
     rc, output = run([sys.executable, str(script)])
-    assert rc == 0, f"README.md line {block.line} ({block.section}) failed:\n{block.code}\n---\n{output[-4000:]}"
-    assert_prints(output, expected_lines(block.code, lambda line: line.startswith("print(")), f"line {block.line}")
+    assert rc == 0, f"{block.where} ({block.section}) failed:\n{block.code}\n---\n{output[-4000:]}"
+    assert_prints(output, expected_lines(block.code, lambda line: line.startswith("print(")), block.where)
 
 
 # --- bash: pip is checked against CI, the rest is run -------------------------------------------------------------
@@ -299,18 +313,20 @@ def test_the_readme_test_command_is_what_ci_runs():
         [part.strip() for part in strip_comment(c).split("&&")]
         for b in blocks("bash")
         for c, _ in commands(b.code)
-        if "pytest" in c and "pip install" in c
+        if "pytest" in c and "pip install" in c and b.page == "README.md"
     ]
     assert readme == [ci_test_command()], f"README's test command {readme} differs from .ci/run's {ci_test_command()}"
 
 
 def test_every_pip_install_in_the_readme_installs_what_ci_installs():
-    torch_ci, package_ci = (part for part in ci_test_command() if part.startswith("pip install"))
-    ci_extras = extras_closure(set(re.search(r'-e "\.\[(.+)\]"', package_ci).group(1).split(",")))
+    torch_ci = next(part for part in ci_test_command() if part.startswith("pip install torch"))
+    # every extra some stage of .ci/run installs: the test extra for the suite, the docs extra for the site
+    named = {name for found in re.findall(r'-e "\.\[(.+?)\]"', CI_SCRIPT.read_text()) for name in found.split(",")}
+    ci_extras = extras_closure(named)
     parts = pip_parts()
     assert len(parts) >= 4, parts  # two set-up commands, two installs each
     for block, part in parts:
-        where = f"README.md line {block.line}: {part!r}"
+        where = f"{block.where}: {part!r}"
         if re.match(r"pip install torch\b", part):
             assert part == torch_ci, f"{where}: .ci/run installs {torch_ci!r}"
         else:
@@ -318,7 +334,7 @@ def test_every_pip_install_in_the_readme_installs_what_ci_installs():
             assert extras, f"{where}: only torch and this package's extras are installed by the set-up commands"
             assert extras_closure(set(extras.group(1).split(","))) <= ci_extras, f"{where}: CI does not install it"
     # the CPU wheel note (inline, not run: it reaches outside the project's registries) pins the same torch
-    inline = re.findall(r"`(pip install torch[^`]*)`", README.read_text())
+    inline = [c for page in PAGES for c in re.findall(r"`(pip install torch[^`]*)`", page.read_text())]
     assert inline and all(c.split(" --")[0].strip() == torch_ci for c in inline), inline
 
 
@@ -336,8 +352,7 @@ def assert_output_block(output: str, block: Block) -> None:
         pattern = r"\d+(?:\.\d+)?".join(re.escape(piece) for piece in pieces)
         found = re.compile(rf"^{pattern}\s*$", re.MULTILINE).search(output, position)
         assert found, (
-            f"README.md line {block.line}: {line!r} is not in the output (after offset {position}):\n"
-            + (output[position:][-4000:])
+            f"{block.where}: {line!r} is not in the output (after offset {position}):\n" + (output[position:][-4000:])
         )
         position = found.end()
 
@@ -347,7 +362,10 @@ def runnable(command: str) -> list[str]:
     return [p.strip() for p in strip_comment(command).split("&&") if "pip install" not in p]
 
 
-RUN_BLOCKS = [b for b in blocks("bash") if any(runnable(c) for c, _ in commands(b.code))]
+# a block that the README and a docs page both hold (a set-up command) runs once
+RUN_BLOCKS = list(
+    {b.code: b for b in reversed(blocks("bash")) if any(runnable(c) for c, _ in commands(b.code))}.values()
+)[::-1]
 
 
 @pytest.mark.parametrize("block", params(RUN_BLOCKS, lambda b: True))
@@ -363,24 +381,24 @@ def test_bash_block_commands_run_and_print_what_the_readme_says(block):
                 if part.startswith(prefix) and "--print_config" not in part:
                     part = f"{part} {override}"
             if part != shown:
-                print(f"README.md line {block.line}: running `{shown}` with `{part[len(shown) :].strip()}` appended")
+                print(f"{block.where}: running `{shown}` with `{part[len(shown) :].strip()}` appended")
             rc, output = run(["bash", "-c", part])
-            assert rc == 0, f"README.md line {block.line}: `{part}` exited with {rc}:\n{output[-4000:]}"
+            assert rc == 0, f"{block.where}: `{part}` exited with {rc}:\n{output[-4000:]}"
             if "--collect-only" in part:
                 collected = re.search(r"(\d+)(?:/\d+)? tests collected", output)
                 assert collected and int(collected.group(1)) > 0, output[-2000:]
-            assert_prints(output, expected, f"README.md line {block.line}")
+            assert_prints(output, expected, block.where)
             for output_block in outputs_of(shown):
                 assert_output_block(output, output_block)
             ran += 1
-    assert ran, f"README.md line {block.line}: no command ran"
+    assert ran, f"{block.where}: no command ran"
 
 
 def test_every_output_block_belongs_to_a_command_the_readme_runs():
     run_by_the_test = {part for b in RUN_BLOCKS for c, _ in commands(b.code) for part in runnable(c)}
     for block in BLOCKS:
         if block.output_of:
-            assert block.output_of in run_by_the_test, f"README.md line {block.line}: no block runs {block.output_of!r}"
+            assert block.output_of in run_by_the_test, f"{block.where}: no block runs {block.output_of!r}"
 
 
 # --- YAML ---------------------------------------------------------------------------------------------------------
@@ -389,12 +407,12 @@ def test_every_output_block_belongs_to_a_command_the_readme_runs():
 @pytest.mark.parametrize("block", params(blocks("yaml"), lambda b: False))
 def test_yaml_block_parses_and_fragments_agree_with_the_shipped_configs(block):
     parsed = yaml.safe_load(block.code)
-    assert isinstance(parsed, dict), f"README.md line {block.line}: not a mapping"
+    assert isinstance(parsed, dict), f"{block.where}: not a mapping"
     if "trainer" in parsed:
         return  # a whole config: built below
     base = yaml.safe_load(config_path("base").read_text())
     for key, value in parsed.items():
-        assert base.get(key) == value, f"README.md line {block.line}: {key}: {value!r}; base has {base.get(key)!r}"
+        assert base.get(key) == value, f"{block.where}: {key}: {value!r}; base has {base.get(key)!r}"
 
 
 CONFIG_BLOCKS = [b for b in blocks("yaml") if re.search(r"^trainer:", b.code, re.MULTILINE)]

@@ -51,17 +51,15 @@ class MultiGPUStrategy(DDPStrategy):
 
     The choice is made when the Trainer is built, without initialising CUDA, and logged once on rank 0:
 
-    ============================================================  =====================================
-    situation                                                     mode
-    ============================================================  =====================================
-    ``num_nodes > 1``                                             ``ddp``
-    processes launched by torchrun, SLURM, LSF, MPI, Lightning    ``ddp`` (joins them)
-    one device                                                    ``single``
-    several devices, run as a script                              ``ddp`` (Lightning re-runs the script)
-    several CPU devices, interactive                              ``ddp_fork`` (``ddp_spawn`` without fork)
-    several GPUs, interactive, CUDA not initialised               ``ddp_fork``
-    several GPUs, interactive, CUDA initialised or no fork        ``dp`` (DataParallel)
-    ============================================================  =====================================
+    | situation | mode |
+    |---|---|
+    | ``num_nodes > 1`` | ``ddp`` |
+    | processes launched by torchrun, SLURM, LSF, MPI, Lightning | ``ddp`` (joins them) |
+    | one device | ``single`` |
+    | several devices, run as a script | ``ddp`` (Lightning re-runs the script) |
+    | several CPU devices, interactive | ``ddp_fork`` (``ddp_spawn`` without fork) |
+    | several GPUs, interactive, CUDA not initialised | ``ddp_fork`` |
+    | several GPUs, interactive, CUDA initialised or no fork | ``dp`` (DataParallel) |
 
     In a DDP mode the strategy stays a :class:`DDPStrategy` (this class); for ``single``, ``dp`` and ``fsdp`` it
     builds a :class:`SingleDeviceStrategy`, :class:`DataParallelStrategy` or :class:`FSDPStrategy` from its options

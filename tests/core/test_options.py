@@ -85,11 +85,13 @@ def test_each_option_is_declared_once_and_shared():
     assert by_name["bucket_cap_mb"].default_for("MultiGPUStrategy") == "auto"
 
 
-def test_the_readme_option_tables_are_the_generated_ones():
+def test_the_docs_option_tables_are_the_generated_ones():
     gen_options = _gen_options()
-    text = gen_options.README.read_text()
-    assert text.count("<!-- generated: options of ") == 3
-    assert gen_options.regenerate(text) == text, "README.md is stale: run python docs/gen_options.py --readme"
+    texts = {page.name: page.read_text() for page in gen_options.pages()}
+    assert sum(text.count("<!-- generated: options of ") for text in texts.values()) == 3
+    for name, text in texts.items():
+        assert gen_options.regenerate(text) == text, f"{name} is stale: run python docs/gen_options.py --readme"
+    text = texts["options.md"]
     stale = text.replace("| `powersgd_rank` | `int` | `1` |", "| `powersgd_rank` | `int` | `2` |")
     assert stale != text and gen_options.regenerate(stale) == text
 
