@@ -18,11 +18,10 @@ from typing import Any
 DATA = Path(__file__).resolve().parent / "data"
 
 
-def _figure(width: float = 7.0, height: float = 3.2) -> tuple[Any, Any]:
+def _figure(width: float, height: float) -> Any:
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(width, height), layout="constrained")
-    return figure, figure.add_subplot()
+    return Figure(figsize=(width, height), layout="constrained")
 
 
 def _png(figure: Any) -> bytes:
@@ -54,7 +53,8 @@ def throughput() -> bytes:
     rows = [
         r for r in json.loads((DATA / "ddp_throughput.json").read_text()) if r["metric"] == "samples/s vs stock DDP"
     ]
-    figure, axes = _figure(7.0, 0.45 * len(rows) + 1.2)
+    figure = _figure(7.0, 0.45 * len(rows) + 1.2)
+    axes = figure.add_subplot()
     _ratio_bars(axes, rows, "samples/s against stock Lightning DDP (1.0 = the same; higher is faster)")
     axes.set_xlabel("ratio, median over rounds (whisker: range)")
     return _png(figure)
@@ -63,8 +63,7 @@ def throughput() -> bytes:
 def fsdp_memory() -> bytes:
     """FSDP's memory added per rank and step time, each against DDP on the same model and run."""
     rows = json.loads((DATA / "fsdp_vs_ddp.json").read_text())
-    figure = _figure(7.0, 2.6)[0]
-    figure.clear()
+    figure = _figure(7.0, 2.6)
     for index, (word, title) in enumerate(
         (
             ("memory", "memory added per rank vs DDP (lower is smaller)"),
@@ -92,7 +91,8 @@ def bucket_tuning() -> bytes:
     chosen = "default" if tuning["bucket_cap_mb"] is None else f"{tuning['bucket_cap_mb']:g}MB"
     if tuning.get("comm_hook"):
         chosen += f"+{tuning['comm_hook']}"
-    figure, axes = _figure(7.0, 0.4 * len(labels) + 1.3)
+    figure = _figure(7.0, 0.4 * len(labels) + 1.3)
+    axes = figure.add_subplot()
     colors = ["#e0793a" if label == chosen else "#5b8fd4" for label in labels]
     axes.barh(range(len(labels)), ms, color=colors)
     axes.set_yticks(range(len(labels)), labels)

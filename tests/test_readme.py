@@ -363,9 +363,10 @@ def runnable(command: str) -> list[str]:
 
 
 # a block that the README and a docs page both hold (a set-up command) runs once
-RUN_BLOCKS = list(
-    {b.code: b for b in reversed(blocks("bash")) if any(runnable(c) for c, _ in commands(b.code))}.values()
-)[::-1]
+RUN_BLOCKS: list[Block] = []
+for _block in blocks("bash"):
+    if any(runnable(c) for c, _ in commands(_block.code)) and all(b.code != _block.code for b in RUN_BLOCKS):
+        RUN_BLOCKS.append(_block)
 
 
 @pytest.mark.parametrize("block", params(RUN_BLOCKS, lambda b: True))
